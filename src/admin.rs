@@ -1,0 +1,64 @@
+//! The admin listener: `/metrics`, `/healthz` (the process serves) and
+//! `/readyz` (the schema is in place and the store answers).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+
+use crate::metrics::Metrics;
+use crate::store::Store;
+
+/// What the admin endpoints report on.
+pub struct Admin {
+    /// The metrics registry.
+    pub metrics: Metrics,
+    /// The store, pinged by `/readyz`.
+    pub store: Store,
+    /// Set once the migration has run (or immediately when it is disabled).
+    pub schema_ready: Arc<AtomicBool>,
+}
+
+impl Admin {
+    /// Answers one admin request.
+    pub async fn handle(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
+        if request.method() != Method::GET && request.method() != Method::HEAD {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
+        }
+        match request.uri().path() {
+            "/metrics" => {
+                let mut response = text(StatusCode::OK, self.metrics.render());
+                response.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                response
+            }
+            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" => self.readiness().await,
+            _ => text(StatusCode::NOT_FOUND, "not found\n"),
+        }
+    }
+
+    async fn readiness(&self) -> Response<Full<Bytes>> {
+        if !self.schema_ready.load(Ordering::Acquire) {
+            return text(StatusCode::SERVICE_UNAVAILABLE, "store schema not ready\n");
+        }
+        match self.store.ping().await {
+            Ok(()) => text(StatusCode::OK, "ready\n"),
+            Err(error) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("store unavailable: {error}\n"),
+            ),
+        }
+    }
+}
+
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    response
+}

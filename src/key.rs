@@ -1,0 +1,260 @@
+//! Idempotency-key extraction: from a header or a JSON pointer into the body.
+//! Owns the rules of SPEC section 8 ("Keys"); does not decide what a missing
+//! key means (the route's `on_missing_key` does).
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName};
+
+use crate::config::KeyConfig;
+
+/// Where a route reads its key.
+#[derive(Debug, Clone)]
+pub enum KeySource {
+    /// The first of these headers with a non-empty value.
+    Header(Vec<HeaderName>),
+    /// A JSON pointer into the body.
+    Json(String),
+}
+
+/// Why a request's key cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The route reads a JSON key and the body is not JSON.
+    #[error("body is not valid JSON: {0}")]
+    NotJson(String),
+    /// The key is not UTF-8 text, or holds control characters.
+    #[error("key must be UTF-8 text without control characters")]
+    NotText,
+    /// The key is longer than `limits.max_key_bytes`.
+    #[error("key is {len} bytes, longer than the {max}-byte limit")]
+    TooLong {
+        /// The key's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
+impl KeySource {
+    /// Validates a route's `key:` block.
+    pub fn from_config(config: &KeyConfig) -> Result<Self, String> {
+        match (&config.header, &config.json) {
+            (Some(header), None) => HeaderName::try_from(header.as_str())
+                .map(|name| KeySource::Header(vec![name]))
+                .map_err(|_| format!("`{header}` is not a valid header name")),
+            (None, Some(pointer)) if pointer.starts_with('/') => {
+                Ok(KeySource::Json(pointer.clone()))
+            }
+            (None, Some(pointer)) => Err(format!(
+                "json: `{pointer}` is not a JSON pointer (it must start with `/`, e.g. /id)"
+            )),
+            _ => Err("set exactly one of `header` or `json`".into()),
+        }
+    }
+
+    /// The key of a request, `Ok(None)` when it has none, or why it is unusable.
+    pub fn extract(
+        &self,
+        headers: &HeaderMap,
+        body: &Bytes,
+        max_len: usize,
+    ) -> Result<Option<String>, KeyError> {
+        let key = match self {
+            KeySource::Header(names) => names
+                .iter()
+                .filter_map(|name| headers.get(name))
+                .map(|value| value.as_bytes())
+                .find(|value| !value.is_empty())
+                .map(<[u8]>::to_vec),
+            KeySource::Json(pointer) => json_key(body, pointer)?,
+        };
+        let Some(key) = key else { return Ok(None) };
+        if key.len() > max_len {
+            return Err(KeyError::TooLong {
+                len: key.len(),
+                max: max_len,
+            });
+        }
+        match String::from_utf8(key) {
+            Ok(key) if !key.chars().any(char::is_control) => Ok(Some(key)),
+            _ => Err(KeyError::NotText),
+        }
+    }
+}
+
+fn json_key(body: &[u8], pointer: &str) -> Result<Option<Vec<u8>>, KeyError> {
+    let document: serde_json::Value =
+        serde_json::from_slice(body).map_err(|error| KeyError::NotJson(error.to_string()))?;
+    Ok(match document.pointer(pointer) {
+        Some(serde_json::Value::String(text)) if !text.is_empty() => Some(text.as_bytes().to_vec()),
+        Some(serde_json::Value::Number(number)) => Some(number.to_string().into_bytes()),
+        _ => None,
+    })
+}
+
+/// The key as sent upstream in `X-Dedupe-Key`: bytes outside visible ASCII
+/// (and `%` itself) percent-encoded, so any key fits a header value.
+pub fn header_value(key: &[u8]) -> http::HeaderValue {
+    const NOT_VISIBLE: &percent_encoding::AsciiSet =
+        &percent_encoding::CONTROLS.add(b' ').add(b'%').add(0x7f);
+    let encoded = percent_encoding::percent_encode(key, NOT_VISIBLE).to_string();
+    http::HeaderValue::try_from(encoded).expect("percent-encoded text is a valid header value")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(name: &str) -> KeySource {
+        KeySource::from_config(&KeyConfig {
+            header: Some(name.into()),
+            json: None,
+        })
+        .unwrap()
+    }
+
+    fn json(pointer: &str) -> KeySource {
+        KeySource::from_config(&KeyConfig {
+            header: None,
+            json: Some(pointer.into()),
+        })
+        .unwrap()
+    }
+
+    fn from_body(source: &KeySource, body: &str) -> Result<Option<String>, KeyError> {
+        source.extract(&HeaderMap::new(), &Bytes::from(body.to_owned()), 256)
+    }
+
+    #[test]
+    fn header_key_is_the_value_verbatim() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "x-event-id",
+            http::HeaderValue::from_bytes("evt 1/ä".as_bytes()).unwrap(),
+        );
+        let key = header("X-Event-Id")
+            .extract(&headers, &Bytes::new(), 256)
+            .unwrap();
+        assert_eq!(key.as_deref(), Some("evt 1/ä"));
+    }
+
+    #[test]
+    fn empty_or_absent_header_is_no_key() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(
+            header("X-Event-Id").extract(&headers, &Bytes::new(), 256),
+            Ok(None)
+        );
+        headers.insert("x-event-id", "".parse().unwrap());
+        assert_eq!(
+            header("X-Event-Id").extract(&headers, &Bytes::new(), 256),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn json_strings_and_numbers_are_keys() {
+        assert_eq!(
+            from_body(&json("/id"), r#"{"id":"evt_1"}"#),
+            Ok(Some("evt_1".into()))
+        );
+        assert_eq!(
+            from_body(&json("/data/n"), r#"{"data":{"n":42}}"#),
+            Ok(Some("42".into()))
+        );
+        assert_eq!(
+            from_body(&json("/a~1b"), r#"{"a/b":"x"}"#),
+            Ok(Some("x".into()))
+        );
+    }
+
+    #[test]
+    fn other_json_values_are_no_key() {
+        for body in [
+            r#"{"id":""}"#,
+            r#"{"id":null}"#,
+            r#"{"id":true}"#,
+            r#"{"id":{}}"#,
+            r#"{"id":[1]}"#,
+            r#"{}"#,
+            "[]",
+        ] {
+            assert_eq!(from_body(&json("/id"), body), Ok(None), "{body}");
+        }
+    }
+
+    #[test]
+    fn non_json_body_is_an_error() {
+        assert!(matches!(
+            from_body(&json("/id"), "id=1"),
+            Err(KeyError::NotJson(_))
+        ));
+        let deep = "[".repeat(10_000);
+        assert!(matches!(
+            from_body(&json("/id"), &deep),
+            Err(KeyError::NotJson(_))
+        ));
+    }
+
+    #[test]
+    fn keys_must_be_text_without_control_characters() {
+        assert_eq!(
+            from_body(&json("/id"), r#"{"id":"a\u0000b"}"#),
+            Err(KeyError::NotText)
+        );
+        assert_eq!(
+            from_body(&json("/id"), r#"{"id":"a\nb"}"#),
+            Err(KeyError::NotText)
+        );
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "x-event-id",
+            http::HeaderValue::from_bytes(b"\xff\xfe").unwrap(),
+        );
+        assert_eq!(
+            header("X-Event-Id").extract(&headers, &Bytes::new(), 256),
+            Err(KeyError::NotText)
+        );
+    }
+
+    #[test]
+    fn long_keys_are_rejected() {
+        let body = format!(r#"{{"id":"{}"}}"#, "k".repeat(300));
+        assert_eq!(
+            from_body(&json("/id"), &body),
+            Err(KeyError::TooLong { len: 300, max: 256 })
+        );
+    }
+
+    #[test]
+    fn config_errors_are_explained() {
+        let both = KeyConfig {
+            header: Some("X".into()),
+            json: Some("/id".into()),
+        };
+        assert!(KeySource::from_config(&both).is_err());
+        let bad_pointer = KeyConfig {
+            header: None,
+            json: Some("id".into()),
+        };
+        assert!(
+            KeySource::from_config(&bad_pointer)
+                .unwrap_err()
+                .contains("JSON pointer")
+        );
+        let bad_header = KeyConfig {
+            header: Some("bad header".into()),
+            json: None,
+        };
+        assert!(KeySource::from_config(&bad_header).is_err());
+    }
+
+    #[test]
+    fn header_value_percent_encodes_invisible_bytes() {
+        assert_eq!(header_value(b"evt_1").to_str().unwrap(), "evt_1");
+        assert_eq!(
+            header_value("a b\n%ä".as_bytes()).to_str().unwrap(),
+            "a%20b%0A%25%C3%A4"
+        );
+    }
+}

@@ -1,0 +1,77 @@
+//! The binary: parse the command line, load the configuration, set up logs,
+//! and run one subcommand. Exit codes: 0 success, 1 runtime failure,
+//! 2 usage or configuration error.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use dedupe_proxy::cli::{Cli, Command};
+use dedupe_proxy::store::Store;
+use dedupe_proxy::{Application, Config, telemetry};
+use tokio_util::sync::CancellationToken;
+
+const RUNTIME_FAILURE: u8 = 1;
+const CONFIG_ERROR: u8 = 2;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let Some(path) = cli.config.as_deref() else {
+        eprintln!("error: no configuration: pass --config FILE or set DEDUPE_CONFIG");
+        return ExitCode::from(CONFIG_ERROR);
+    };
+    let config = match Config::load(path) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(CONFIG_ERROR);
+        }
+    };
+    telemetry::init(cli.log_format, &config.log_level);
+    let outcome = match cli.command.unwrap_or(Command::Run) {
+        Command::Run => run(&config).await,
+        Command::CheckConfig { connect } => check_config(&config, connect).await,
+        Command::Migrate => migrate(&config).await,
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(RUNTIME_FAILURE)
+        }
+    }
+}
+
+async fn run(config: &Config) -> anyhow::Result<()> {
+    let application = Application::build(config).await?;
+    let stop = CancellationToken::new();
+    tokio::spawn(stop_on_signal(stop.clone()));
+    application.run_until_stopped(stop).await;
+    Ok(())
+}
+
+async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
+    print!("{}", serde_yaml::to_string(&config.effective())?);
+    if connect {
+        let store = Store::open(&config.store)?;
+        store.ping().await?;
+        eprintln!("store: reachable");
+    }
+    Ok(())
+}
+
+async fn migrate(config: &Config) -> anyhow::Result<()> {
+    Store::open(&config.store)?.migrate().await?;
+    eprintln!("store: schema is up to date");
+    Ok(())
+}
+
+async fn stop_on_signal(stop: CancellationToken) {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        _ = terminate.recv() => tracing::info!("SIGTERM: shutting down"),
+    }
+    stop.cancel();
+}

@@ -1,0 +1,477 @@
+//! The request flow: route, read, key, claim, forward, settle, answer. Owns
+//! the order of those steps and the guarantees between them (settle before
+//! answering, enough lease left before forwarding); the steps themselves
+//! live in their modules.
+
+mod answer;
+mod open_claims;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderValue, Request, Response, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
+
+pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, ShadowVerdict, Unavailable};
+pub use open_claims::{OpenClaim, OpenClaims};
+
+use crate::config::{
+    Config, Mode, OnMissingKey, OnPayloadMismatch, OnUnavailable, UNMATCHED_ROUTE, Unmatched,
+};
+use crate::key;
+use crate::metrics::Metrics;
+use crate::route::{Route, Routes};
+use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store, WonFrom};
+use crate::upstream::{DedupeHeaders, Peer, Upstream, UpstreamError};
+
+/// Everything a request needs, shared by all connections.
+pub struct Proxy {
+    routes: Routes,
+    store: Store,
+    upstream: Upstream,
+    metrics: Metrics,
+    open_claims: Arc<OpenClaims>,
+    concurrency: Semaphore,
+    settings: Settings,
+}
+
+struct Settings {
+    max_body_bytes: usize,
+    max_key_bytes: usize,
+    lease: Duration,
+    upstream_timeout: Duration,
+    on_unavailable: OnUnavailable,
+    retry_after: Duration,
+    unmatched: Unmatched,
+}
+
+/// What the per-webhook log line reports besides the outcome.
+#[derive(Default)]
+struct Trace {
+    key: Option<String>,
+    attempt: Option<i32>,
+    store_time: Duration,
+    upstream_time: Option<Duration>,
+}
+
+impl Proxy {
+    /// Builds the proxy from validated configuration.
+    pub fn new(config: &Config, store: Store, metrics: Metrics) -> Self {
+        Self {
+            routes: Routes::compile(config),
+            store,
+            upstream: Upstream::new(&config.upstream),
+            metrics,
+            open_claims: Arc::default(),
+            concurrency: Semaphore::new(config.limits.max_concurrent_requests),
+            settings: Settings {
+                max_body_bytes: config.limits.max_body_bytes,
+                max_key_bytes: config.limits.max_key_bytes,
+                lease: config.store.lease,
+                upstream_timeout: config.upstream.timeout,
+                on_unavailable: config.store.on_unavailable,
+                retry_after: config.store.retry_after,
+                unmatched: config.unmatched,
+            },
+        }
+    }
+
+    /// The claims won and not yet settled.
+    pub fn open_claims(&self) -> &OpenClaims {
+        &self.open_claims
+    }
+
+    /// The store, for shutdown's final settles.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Handles one request on the webhook listener.
+    pub async fn handle(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        peer: Peer,
+    ) -> Response<Body> {
+        let started = Instant::now();
+        self.metrics.in_flight.inc();
+        let mut trace = Trace::default();
+        let route = self.routes.find(request.method(), request.uri().path());
+        let route_name = route.map_or(UNMATCHED_ROUTE, |route| &*route.name);
+        let answer = match self.concurrency.try_acquire() {
+            Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
+            Ok(_permit) => match route {
+                Some(route) => {
+                    self.webhook(Arc::clone(route), request, peer, &mut trace)
+                        .await
+                }
+                None => self.unmatched(request, peer).await,
+            },
+        };
+        self.metrics.in_flight.dec();
+        self.metrics
+            .requests
+            .with_label_values(&[route_name, answer.metric_outcome()])
+            .inc();
+        tracing::info!(
+            route = route_name,
+            key = trace.key,
+            outcome = answer.metric_outcome(),
+            attempt = trace.attempt,
+            upstream_status = answer.upstream_status(),
+            store_ms = trace.store_time.as_secs_f64() * 1e3,
+            upstream_ms = trace.upstream_time.map(|t| t.as_secs_f64() * 1e3),
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "webhook"
+        );
+        answer.into_response()
+    }
+
+    async fn unmatched(&self, request: Request<Incoming>, peer: Peer) -> Answer {
+        if self.settings.unmatched == Unmatched::Reject {
+            return Answer::Rejected(Rejection::NoRoute);
+        }
+        let (parts, body) = request.into_parts();
+        match self.upstream.send(parts, body.boxed(), peer, None).await {
+            Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
+            Err(error) => Answer::UpstreamError(error),
+        }
+    }
+
+    async fn webhook(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        request: Request<Incoming>,
+        peer: Peer,
+        trace: &mut Trace,
+    ) -> Answer {
+        let route = &route;
+        let (parts, body) = match self.read(request).await {
+            Ok(read) => read,
+            Err(rejection) => return Answer::Rejected(rejection),
+        };
+        let key = match route
+            .key
+            .extract(&parts.headers, &body, self.settings.max_key_bytes)
+        {
+            Ok(Some(key)) => key,
+            Ok(None) if route.on_missing_key == OnMissingKey::Forward => {
+                return self
+                    .pass(route, parts, body, peer, None, PassReason::NotDeduplicated)
+                    .await;
+            }
+            Ok(None) => return Answer::Rejected(Rejection::MissingKey),
+            Err(error) => return Answer::Rejected(Rejection::BadRequest(error.to_string())),
+        };
+        trace.key = Some(key.clone());
+        let request = ClaimRequest {
+            source: Arc::clone(&route.name),
+            key,
+            payload_sha256: Sha256::digest(&body).into(),
+            lease: self.settings.lease,
+        };
+        let claimed_at = Instant::now();
+        let claim = self
+            .metrics
+            .time_store("claim", self.store.claim(&request))
+            .await;
+        trace.store_time = claimed_at.elapsed();
+        let claim = match claim {
+            Ok(claim) => claim,
+            Err(error) => {
+                tracing::warn!(route = &*route.name, %error, "claim failed: store unavailable");
+                return match self.settings.on_unavailable {
+                    OnUnavailable::Reject => {
+                        Answer::Unavailable(Unavailable::Store, self.settings.retry_after)
+                    }
+                    OnUnavailable::Forward => {
+                        self.pass(route, parts, body, peer, None, PassReason::StoreUnavailable)
+                            .await
+                    }
+                };
+            }
+        };
+        self.count_claim(route, &claim);
+        if claim.payload_mismatch() && route.on_payload_mismatch == OnPayloadMismatch::Reject {
+            if let Claim::Won { attempt, .. } = claim {
+                self.settle(&request, attempt, Settlement::RELEASED).await;
+            }
+            return Answer::Rejected(Rejection::PayloadMismatch);
+        }
+        match (claim, route.mode) {
+            (Claim::Won { attempt, .. }, mode) => {
+                trace.attempt = Some(attempt);
+                // Detached, so a sender that hangs up cannot cancel the upstream
+                // call between its side effect and the settle that records it.
+                let task = tokio::spawn(Arc::clone(self).forward_claimed(
+                    Arc::clone(route),
+                    request,
+                    attempt,
+                    claimed_at,
+                    parts,
+                    body,
+                    peer,
+                ));
+                let forwarded = match task.await {
+                    Ok((answer, upstream_time, settle_time)) => {
+                        trace.upstream_time = upstream_time;
+                        trace.store_time += settle_time;
+                        answer
+                    }
+                    Err(error) => Answer::UpstreamError(UpstreamError::Failed(format!(
+                        "forwarding task failed: {error}"
+                    ))),
+                };
+                match (forwarded, mode) {
+                    (Answer::Forwarded(response), Mode::Shadow) => {
+                        Answer::Passthrough(response, PassReason::Shadow(ShadowVerdict::Forward))
+                    }
+                    (answer, _) => answer,
+                }
+            }
+            (Claim::Done { .. }, Mode::Enforce) => Answer::Duplicate(route.duplicate_status),
+            (Claim::InFlight { .. }, Mode::Enforce) => {
+                Answer::InFlight(route.in_flight_status, route.in_flight_retry_after)
+            }
+            (lost, Mode::Shadow) => {
+                let verdict = match lost {
+                    Claim::Done { .. } => ShadowVerdict::Duplicate,
+                    _ => ShadowVerdict::InFlight,
+                };
+                self.pass(route, parts, body, peer, None, PassReason::Shadow(verdict))
+                    .await
+            }
+        }
+    }
+
+    /// Forwards a won claim and settles it before the response goes back.
+    #[allow(clippy::too_many_arguments)]
+    async fn forward_claimed(
+        self: Arc<Self>,
+        route: Arc<Route>,
+        claim: ClaimRequest,
+        attempt: i32,
+        claimed_at: Instant,
+        parts: Parts,
+        body: Bytes,
+        peer: Peer,
+    ) -> (Answer, Option<Duration>, Duration) {
+        let lease_deadline = claimed_at + self.settings.lease;
+        if lease_deadline.saturating_duration_since(Instant::now()) < self.settings.upstream_timeout
+        {
+            // Another replica may own the key by the time the upstream answers.
+            let settle_started = Instant::now();
+            self.settle(&claim, attempt, Settlement::RELEASED).await;
+            let answer = Answer::Unavailable(Unavailable::LeaseTooShort, self.settings.retry_after);
+            return (answer, None, settle_started.elapsed());
+        }
+        let guard = self.open_claims.register(OpenClaim {
+            source: Arc::clone(&claim.source),
+            key: claim.key.clone(),
+            attempt,
+            outcome: None,
+        });
+        let dedupe = DedupeHeaders {
+            key: key::header_value(claim.key.as_bytes()),
+            source: HeaderValue::from_str(&route.name).expect("route names are header-safe"),
+            attempt,
+        };
+        let sent_at = Instant::now();
+        let result = self
+            .upstream
+            .send(parts, full(body), peer, Some(dedupe))
+            .await;
+        let upstream_time = sent_at.elapsed();
+        self.count_upstream(&route, &result, upstream_time);
+        let settlement = match &result {
+            Ok(response) if route.is_done(response.status()) => Settlement {
+                status: SettledStatus::Done,
+                response_status: Some(response.status().as_u16()),
+            },
+            Ok(response) => Settlement {
+                status: SettledStatus::Failed,
+                response_status: Some(response.status().as_u16()),
+            },
+            Err(_) => Settlement::RELEASED,
+        };
+        guard.set_outcome(settlement);
+        let settle_started = Instant::now();
+        if !self.settle(&claim, attempt, settlement).await {
+            self.settle_in_background(claim, attempt, settlement, lease_deadline, guard);
+        }
+        let settle_time = settle_started.elapsed();
+        let answer = match result {
+            Ok(response) => Answer::Forwarded(response),
+            Err(error) => {
+                tracing::warn!(route = &*route.name, %error, "upstream gave no response");
+                Answer::UpstreamError(error)
+            }
+        };
+        (answer, Some(upstream_time), settle_time)
+    }
+
+    /// Writes a settlement; false when the store failed (not when fenced out).
+    async fn settle(&self, claim: &ClaimRequest, attempt: i32, settlement: Settlement) -> bool {
+        let written = self
+            .metrics
+            .time_store(
+                "settle",
+                self.store
+                    .settle(&claim.source, &claim.key, attempt, settlement),
+            )
+            .await;
+        match written {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(
+                    route = &*claim.source,
+                    key = %claim.key,
+                    attempt,
+                    "claim was taken over after its lease expired; outcome not recorded"
+                );
+                true
+            }
+            Err(error) => {
+                tracing::warn!(route = &*claim.source, key = %claim.key, attempt, %error, "settle failed; retrying in the background");
+                false
+            }
+        }
+    }
+
+    /// Retries a failed settle until the lease would expire anyway.
+    fn settle_in_background(
+        &self,
+        claim: ClaimRequest,
+        attempt: i32,
+        settlement: Settlement,
+        lease_deadline: Instant,
+        guard: open_claims::ClaimGuard,
+    ) {
+        let store = self.store.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let mut delay = Duration::from_millis(100);
+            while Instant::now() + delay < lease_deadline {
+                tokio::time::sleep(delay).await;
+                let write = store.settle(&claim.source, &claim.key, attempt, settlement);
+                if metrics.time_store("settle", write).await.is_ok() {
+                    drop(guard);
+                    return;
+                }
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            tracing::error!(route = &*claim.source, key = %claim.key, attempt, "settle never succeeded; the key is reclaimable when its lease expires");
+        });
+    }
+
+    async fn pass(
+        &self,
+        route: &Route,
+        parts: Parts,
+        body: Bytes,
+        peer: Peer,
+        dedupe: Option<DedupeHeaders>,
+        reason: PassReason,
+    ) -> Answer {
+        let sent_at = Instant::now();
+        let result = self.upstream.send(parts, full(body), peer, dedupe).await;
+        self.count_upstream(route, &result, sent_at.elapsed());
+        match result {
+            Ok(response) => Answer::Passthrough(response, reason),
+            Err(error) => Answer::UpstreamError(error),
+        }
+    }
+
+    /// Reads the whole body, refusing it past the limit.
+    async fn read(&self, request: Request<Incoming>) -> Result<(Parts, Bytes), Rejection> {
+        let limit = self.settings.max_body_bytes;
+        let declared = request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|length| length > limit as u64) {
+            return Err(Rejection::TooLarge(limit));
+        }
+        let (parts, body) = request.into_parts();
+        match Limited::new(body, limit).collect().await {
+            Ok(collected) => Ok((parts, collected.to_bytes())),
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+                Err(Rejection::TooLarge(limit))
+            }
+            Err(error) => Err(Rejection::BadRequest(format!(
+                "could not read the request body: {error}"
+            ))),
+        }
+    }
+
+    fn count_claim(&self, route: &Route, claim: &Claim) {
+        let result = match claim {
+            Claim::Won {
+                from: WonFrom::New, ..
+            } => "won_new",
+            Claim::Won {
+                from: WonFrom::Failed,
+                ..
+            } => "won_failed",
+            Claim::Won {
+                from: WonFrom::ExpiredLease,
+                ..
+            } => "won_expired_lease",
+            Claim::Done { .. } => "lost_done",
+            Claim::InFlight { .. } => "lost_in_flight",
+        };
+        self.metrics
+            .claims
+            .with_label_values(&[&*route.name, result])
+            .inc();
+        if let Claim::Done { age, .. } = claim {
+            self.metrics
+                .duplicate_age
+                .with_label_values(&[&*route.name])
+                .observe(age.as_secs_f64());
+        }
+        if claim.payload_mismatch() {
+            self.metrics
+                .payload_mismatch
+                .with_label_values(&[&*route.name])
+                .inc();
+            tracing::warn!(
+                route = &*route.name,
+                "event id delivered again with a different body"
+            );
+        }
+    }
+
+    fn count_upstream(
+        &self,
+        route: &Route,
+        result: &Result<Response<Incoming>, UpstreamError>,
+        took: Duration,
+    ) {
+        let class = match result {
+            Ok(response) => match response.status().as_u16() {
+                200..=299 => "2xx",
+                300..=399 => "3xx",
+                400..=499 => "4xx",
+                _ => "5xx",
+            },
+            Err(UpstreamError::Timeout(_)) => "timeout",
+            Err(_) => "connect_error",
+        };
+        self.metrics
+            .upstream_responses
+            .with_label_values(&[&*route.name, class])
+            .inc();
+        self.metrics
+            .upstream_duration(&route.name)
+            .observe(took.as_secs_f64());
+    }
+}
+
+fn full(body: Bytes) -> http_body_util::combinators::BoxBody<Bytes, hyper::Error> {
+    Full::new(body).map_err(|never| match never {}).boxed()
+}

@@ -1,0 +1,234 @@
+//! Every way a webhook can end, and the one place that turns each into an
+//! HTTP response, an `X-Dedupe-Outcome` value and a metrics outcome label.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+
+use crate::upstream::UpstreamError;
+
+/// The response body type of the webhook listener.
+pub type Body = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+
+/// The header naming how the proxy handled a request.
+pub const OUTCOME_HEADER: &str = "x-dedupe-outcome";
+
+/// How a webhook ended.
+#[derive(Debug)]
+pub enum Answer {
+    /// A won claim, forwarded; the upstream's response.
+    Forwarded(Response<Incoming>),
+    /// Forwarded without deduplication (unmatched route, shadow mode, no
+    /// key with `forward`, store down with `forward`).
+    Passthrough(Response<Incoming>, PassReason),
+    /// The key is `done`.
+    Duplicate(StatusCode),
+    /// Another delivery holds the key.
+    InFlight(StatusCode, Duration),
+    /// The request was refused before anything was claimed.
+    Rejected(Rejection),
+    /// The proxy cannot decide right now; the sender should retry.
+    Unavailable(Unavailable, Duration),
+    /// The upstream gave no response.
+    UpstreamError(UpstreamError),
+}
+
+/// Why a request was forwarded without deduplication (metrics outcome).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassReason {
+    /// No route, or no key with `on_missing_key: forward`.
+    NotDeduplicated,
+    /// The store is down and `on_unavailable: forward`.
+    StoreUnavailable,
+    /// Shadow mode: what enforcing would have done.
+    Shadow(ShadowVerdict),
+}
+
+/// What `enforce` mode would have answered a shadow-mode delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShadowVerdict {
+    /// Forwarded (won claim).
+    Forward,
+    /// Suppressed as a duplicate.
+    Duplicate,
+    /// Suppressed as in flight.
+    InFlight,
+}
+
+/// 4xx reasons.
+#[derive(Debug)]
+pub enum Rejection {
+    /// 400: the route needs a key and the request has none.
+    MissingKey,
+    /// 400: malformed request (bad key, body not JSON, unreadable body).
+    BadRequest(String),
+    /// 401: signature missing or wrong.
+    Signature(String),
+    /// 404: no route and `unmatched: reject`.
+    NoRoute,
+    /// 413: body over `limits.max_body_bytes`.
+    TooLarge(usize),
+    /// 422: key reused with another body and `on_payload_mismatch: reject`.
+    PayloadMismatch,
+}
+
+/// 503 reasons.
+#[derive(Debug, Clone, Copy)]
+pub enum Unavailable {
+    /// The store could not be reached or failed.
+    Store,
+    /// Too little of the lease was left to forward safely.
+    LeaseTooShort,
+    /// Over `limits.max_concurrent_requests`.
+    Overloaded,
+}
+
+impl Answer {
+    /// The `outcome` label of `dedupe_requests_total`.
+    pub fn metric_outcome(&self) -> &'static str {
+        match self {
+            Answer::Forwarded(_) => "forwarded",
+            Answer::Passthrough(_, PassReason::NotDeduplicated) => "passthrough",
+            Answer::Passthrough(_, PassReason::StoreUnavailable) => "store_unavailable",
+            Answer::Passthrough(_, PassReason::Shadow(ShadowVerdict::Forward)) => "forwarded",
+            Answer::Passthrough(_, PassReason::Shadow(ShadowVerdict::Duplicate))
+            | Answer::Duplicate(_) => "duplicate",
+            Answer::Passthrough(_, PassReason::Shadow(ShadowVerdict::InFlight))
+            | Answer::InFlight(..) => "in_flight",
+            Answer::Rejected(Rejection::MissingKey) => "rejected_missing_key",
+            Answer::Rejected(Rejection::BadRequest(_)) => "rejected_bad_request",
+            Answer::Rejected(Rejection::Signature(_)) => "rejected_signature",
+            Answer::Rejected(Rejection::NoRoute) => "rejected_unmatched",
+            Answer::Rejected(Rejection::TooLarge(_)) => "rejected_too_large",
+            Answer::Rejected(Rejection::PayloadMismatch) => "rejected_payload_mismatch",
+            Answer::Unavailable(Unavailable::Overloaded, _) => "overloaded",
+            Answer::Unavailable(..) => "store_unavailable",
+            Answer::UpstreamError(_) => "upstream_error",
+        }
+    }
+
+    /// The `X-Dedupe-Outcome` value.
+    pub fn header_outcome(&self) -> &'static str {
+        match self {
+            Answer::Forwarded(_) => "forwarded",
+            Answer::Passthrough(..) => "passthrough",
+            Answer::Duplicate(_) => "duplicate",
+            Answer::InFlight(..) => "in-flight",
+            Answer::Rejected(_) => "rejected",
+            Answer::Unavailable(..) => "unavailable",
+            Answer::UpstreamError(_) => "upstream-error",
+        }
+    }
+
+    /// The upstream's status, when it answered.
+    pub fn upstream_status(&self) -> Option<u16> {
+        match self {
+            Answer::Forwarded(response) | Answer::Passthrough(response, _) => {
+                Some(response.status().as_u16())
+            }
+            _ => None,
+        }
+    }
+
+    /// The response to send.
+    pub fn into_response(self) -> Response<Body> {
+        let outcome = HeaderValue::from_static(self.header_outcome());
+        let mut response = match self {
+            Answer::Forwarded(response) | Answer::Passthrough(response, _) => {
+                response.map(BodyExt::boxed)
+            }
+            Answer::Duplicate(status) => {
+                plain(status, "duplicate", "this event was already processed")
+            }
+            Answer::InFlight(status, retry_after) => with_retry_after(
+                plain(
+                    status,
+                    "in-flight",
+                    "another delivery of this event is being processed; retry later",
+                ),
+                retry_after,
+            ),
+            Answer::Rejected(rejection) => {
+                let (status, detail) = rejection.status_and_detail();
+                plain(status, "rejected", &detail)
+            }
+            Answer::Unavailable(reason, retry_after) => {
+                let detail = match reason {
+                    Unavailable::Store => "the idempotency store is unavailable; retry later",
+                    Unavailable::LeaseTooShort => {
+                        "the claim's lease ran short before forwarding; retry later"
+                    }
+                    Unavailable::Overloaded => "too many concurrent requests; retry later",
+                };
+                with_retry_after(
+                    plain(StatusCode::SERVICE_UNAVAILABLE, "unavailable", detail),
+                    retry_after,
+                )
+            }
+            Answer::UpstreamError(error) => {
+                let status = match error {
+                    UpstreamError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+                    UpstreamError::Connect(_) | UpstreamError::Failed(_) => StatusCode::BAD_GATEWAY,
+                };
+                let detail = match error {
+                    UpstreamError::Timeout(_) => "the upstream did not answer in time",
+                    UpstreamError::Connect(_) => "the upstream could not be reached",
+                    UpstreamError::Failed(_) => "the upstream connection failed",
+                };
+                plain(status, "upstream-error", detail)
+            }
+        };
+        response.headers_mut().insert(OUTCOME_HEADER, outcome);
+        response
+    }
+}
+
+impl Rejection {
+    fn status_and_detail(&self) -> (StatusCode, String) {
+        match self {
+            Rejection::MissingKey => (
+                StatusCode::BAD_REQUEST,
+                "no idempotency key found in the request".into(),
+            ),
+            Rejection::BadRequest(detail) => (StatusCode::BAD_REQUEST, detail.clone()),
+            Rejection::Signature(detail) => (StatusCode::UNAUTHORIZED, detail.clone()),
+            Rejection::NoRoute => (
+                StatusCode::NOT_FOUND,
+                "no webhook route matches this request".into(),
+            ),
+            Rejection::TooLarge(limit) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("body exceeds the {limit}-byte limit"),
+            ),
+            Rejection::PayloadMismatch => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "this event id was delivered before with a different body".into(),
+            ),
+        }
+    }
+}
+
+fn plain(status: StatusCode, outcome: &str, detail: &str) -> Response<Body> {
+    let body = serde_json::json!({ "outcome": outcome, "detail": detail }).to_string();
+    let mut response = Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn with_retry_after(mut response: Response<Body>, retry_after: Duration) -> Response<Body> {
+    let seconds = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+    response.headers_mut().insert(RETRY_AFTER, seconds.into());
+    response
+}

@@ -1,0 +1,175 @@
+//! Routes compiled from the configuration, and matching a request to one.
+//! A route carries everything the request flow needs to decide (key source,
+//! status policy, mode); signature schemes slot in beside the key source.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, StatusCode};
+
+use crate::config::{Config, Mode, OnMissingKey, OnPayloadMismatch, StatusMatch};
+use crate::key::KeySource;
+
+/// One webhook endpoint, validated.
+#[derive(Debug)]
+pub struct Route {
+    /// The route's name: store namespace and metrics label.
+    pub name: Arc<str>,
+    path: PathMatch,
+    methods: Vec<Method>,
+    /// Where the key is.
+    pub key: KeySource,
+    /// `enforce` or `shadow`.
+    pub mode: Mode,
+    /// Statuses that settle `done`.
+    pub done_on: Vec<StatusMatch>,
+    /// Answer to a duplicate of a `done` key.
+    pub duplicate_status: StatusCode,
+    /// Answer while another delivery holds the key.
+    pub in_flight_status: StatusCode,
+    /// `Retry-After` with the in-flight answer.
+    pub in_flight_retry_after: Duration,
+    /// Requests without a key.
+    pub on_missing_key: OnMissingKey,
+    /// Keys seen again with another body.
+    pub on_payload_mismatch: OnPayloadMismatch,
+    /// How long keys are kept.
+    pub retention: Duration,
+}
+
+#[derive(Debug)]
+enum PathMatch {
+    Exact(String),
+    Prefix(String),
+}
+
+impl PathMatch {
+    fn matches(&self, path: &str) -> bool {
+        match self {
+            PathMatch::Exact(exact) => path == exact,
+            PathMatch::Prefix(prefix) => path.strip_prefix(prefix.as_str()).is_some_and(|rest| {
+                rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/')
+            }),
+        }
+    }
+}
+
+impl Route {
+    /// Whether this route's settle status for an upstream answer is `done`.
+    pub fn is_done(&self, status: StatusCode) -> bool {
+        self.done_on.iter().any(|m| m.matches(status.as_u16()))
+    }
+}
+
+/// All routes, in match order: exact paths first, then the longest prefix.
+#[derive(Debug, Default)]
+pub struct Routes {
+    routes: Vec<Arc<Route>>,
+}
+
+impl Routes {
+    /// Compiles validated configuration. Panics only if `Config::validate`
+    /// was skipped.
+    pub fn compile(config: &Config) -> Self {
+        let mut routes: Vec<Route> = config
+            .routes
+            .iter()
+            .map(|route| compile_route(&config.effective_route(route)))
+            .collect();
+        routes.sort_by_key(|route| match &route.path {
+            PathMatch::Exact(_) => (0, 0),
+            PathMatch::Prefix(prefix) => (1, usize::MAX - prefix.len()),
+        });
+        Self {
+            routes: routes.into_iter().map(Arc::new).collect(),
+        }
+    }
+
+    /// The route for a request, if any.
+    pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
+        self.routes
+            .iter()
+            .find(|route| route.path.matches(path) && route.methods.contains(method))
+    }
+
+    /// Every route.
+    pub fn iter(&self) -> impl Iterator<Item = &Route> {
+        self.routes.iter().map(|route| &**route)
+    }
+}
+
+fn compile_route(route: &crate::config::RouteConfig) -> Route {
+    let status = |code: Option<u16>| {
+        StatusCode::from_u16(code.expect("filled by effective_route")).expect("validated status")
+    };
+    let path = match (&route.path, &route.path_prefix) {
+        (Some(path), _) => PathMatch::Exact(path.clone()),
+        (None, Some(prefix)) => PathMatch::Prefix(prefix.clone()),
+        (None, None) => unreachable!("validated: a route has a path"),
+    };
+    Route {
+        name: Arc::from(route.name.as_str()),
+        path,
+        methods: route
+            .methods
+            .iter()
+            .map(|m| Method::from_bytes(m.to_ascii_uppercase().as_bytes()).expect("validated"))
+            .collect(),
+        key: KeySource::from_config(route.key.as_ref().expect("validated")).expect("validated"),
+        mode: route.mode,
+        done_on: route.done_on.clone().unwrap_or_default(),
+        duplicate_status: status(route.duplicate_status),
+        in_flight_status: status(route.in_flight_status),
+        in_flight_retry_after: route.in_flight_retry_after.unwrap_or_default(),
+        on_missing_key: route.on_missing_key.unwrap_or_default(),
+        on_payload_mismatch: route.on_payload_mismatch.unwrap_or_default(),
+        retention: route.retention.unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routes(yaml: &str) -> Routes {
+        Routes::compile(&Config::from_yaml(yaml, None).unwrap())
+    }
+
+    #[test]
+    fn exact_paths_win_over_prefixes_and_longer_prefixes_win() {
+        let routes = routes(
+            "routes:
+               - { name: any, path_prefix: /hooks, key: { header: X-Id } }
+               - { name: orders, path_prefix: /hooks/orders, key: { header: X-Id } }
+               - { name: exact, path: /hooks/orders/special, key: { header: X-Id } }",
+        );
+        let name = |path: &str| routes.find(&Method::POST, path).map(|r| r.name.to_string());
+        assert_eq!(name("/hooks/orders/special").as_deref(), Some("exact"));
+        assert_eq!(name("/hooks/orders/1").as_deref(), Some("orders"));
+        assert_eq!(name("/hooks/orders").as_deref(), Some("orders"));
+        assert_eq!(name("/hooks/other").as_deref(), Some("any"));
+        assert_eq!(name("/hooksy"), None);
+        assert_eq!(name("/elsewhere"), None);
+    }
+
+    #[test]
+    fn methods_default_to_post() {
+        let routes = routes(
+            "routes: [{ name: a, path: /a, key: { header: X-Id } }, { name: b, path: /b, methods: [put, POST], key: { header: X-Id } }]",
+        );
+        assert!(routes.find(&Method::POST, "/a").is_some());
+        assert!(routes.find(&Method::GET, "/a").is_none());
+        assert!(routes.find(&Method::PUT, "/b").is_some());
+    }
+
+    #[test]
+    fn done_on_decides_settlement() {
+        let routes =
+            routes("routes: [{ name: a, path: /a, key: { header: X-Id }, done_on: [2xx, 410] }]");
+        let route = routes.find(&Method::POST, "/a").unwrap();
+        assert!(route.is_done(StatusCode::OK));
+        assert!(route.is_done(StatusCode::GONE));
+        assert!(!route.is_done(StatusCode::INTERNAL_SERVER_ERROR));
+        assert!(!route.is_done(StatusCode::NOT_FOUND));
+    }
+}

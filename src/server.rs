@@ -1,0 +1,234 @@
+//! Listeners and lifecycle: binds the webhook and admin ports, runs the
+//! start-up migration in the background until the store answers, serves
+//! connections, and drains them on shutdown within the grace period before
+//! settling the claims still open.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::Admin;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::proxy::Proxy;
+use crate::store::{Store, StoreError};
+use crate::upstream::Peer;
+
+/// Why the proxy could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The store could not be opened (SQLite file, bad URL).
+    #[error("cannot open the store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// A bound, not yet running proxy.
+pub struct Application {
+    proxy: Arc<Proxy>,
+    admin: Arc<Admin>,
+    webhook_listener: TcpListener,
+    admin_listener: TcpListener,
+    migrate: bool,
+    shutdown_grace: Duration,
+}
+
+impl Application {
+    /// Opens the store and binds both listeners (port 0 picks a free port).
+    pub async fn build(config: &Config) -> Result<Self, StartError> {
+        let store = Store::open(&config.store)?;
+        let metrics = Metrics::new();
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { addr, source })
+        };
+        let webhook_listener = bind(config.listen).await?;
+        let admin_listener = bind(config.admin_listen).await?;
+        let admin = Arc::new(Admin {
+            metrics: metrics.clone(),
+            store: store.clone(),
+            schema_ready: Arc::new(AtomicBool::new(!config.store.migrate)),
+        });
+        Ok(Self {
+            proxy: Arc::new(Proxy::new(config, store, metrics)),
+            admin,
+            webhook_listener,
+            admin_listener,
+            migrate: config.store.migrate,
+            shutdown_grace: config.shutdown_grace,
+        })
+    }
+
+    /// Where webhooks are accepted.
+    pub fn webhook_addr(&self) -> SocketAddr {
+        self.webhook_listener.local_addr().expect("bound listener")
+    }
+
+    /// Where the admin endpoints are served.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_listener.local_addr().expect("bound listener")
+    }
+
+    /// Serves until `stop` is cancelled, then drains and settles.
+    pub async fn run_until_stopped(self, stop: CancellationToken) {
+        tracing::info!(
+            listen = %self.webhook_addr(),
+            admin_listen = %self.admin_addr(),
+            "dedupe-proxy serving"
+        );
+        if self.migrate {
+            tokio::spawn(migrate_until_done(
+                self.proxy.store().clone(),
+                Arc::clone(&self.admin.schema_ready),
+                stop.clone(),
+            ));
+        }
+        let admin = Arc::clone(&self.admin);
+        let admin_stop = stop.clone();
+        let admin_task = tokio::spawn(serve_admin(self.admin_listener, admin, admin_stop));
+        serve_webhooks(
+            self.webhook_listener,
+            Arc::clone(&self.proxy),
+            stop,
+            self.shutdown_grace,
+        )
+        .await;
+        let open = self.proxy.open_claims().len();
+        if open > 0 {
+            let settled = self
+                .proxy
+                .open_claims()
+                .settle_all(self.proxy.store())
+                .await;
+            tracing::warn!(
+                open,
+                settled,
+                "grace period ended with claims open; they were released"
+            );
+        }
+        let _ = admin_task.await;
+        tracing::info!("dedupe-proxy stopped");
+    }
+}
+
+async fn serve_webhooks(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    stop: CancellationToken,
+    grace: Duration,
+) {
+    let graceful = GracefulShutdown::new();
+    let builder = connection_builder();
+    loop {
+        let (stream, addr) = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    continue;
+                }
+            },
+        };
+        let proxy = Arc::clone(&proxy);
+        let peer = Peer { addr, tls: false };
+        let service = service_fn(move |request| {
+            let proxy = Arc::clone(&proxy);
+            async move { Ok::<_, std::convert::Infallible>(proxy.handle(request, peer).await) }
+        });
+        let connection = builder.serve_connection(io(stream), service).into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "webhook connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            ?grace,
+            "shutdown grace period ended with requests still in flight"
+        );
+    }
+}
+
+async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {
+    let builder = connection_builder();
+    loop {
+        let stream = tokio::select! {
+            () = stop.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(_) => continue,
+            },
+        };
+        let admin = Arc::clone(&admin);
+        let service = service_fn(move |request| {
+            let admin = Arc::clone(&admin);
+            async move { Ok::<_, std::convert::Infallible>(admin.handle(request).await) }
+        });
+        let connection = builder.serve_connection(io(stream), service).into_owned();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = connection => {}
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+}
+
+fn connection_builder() -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30));
+    builder
+}
+
+fn io(stream: TcpStream) -> TokioIo<TcpStream> {
+    let _ = stream.set_nodelay(true);
+    TokioIo::new(stream)
+}
+
+async fn migrate_until_done(store: Store, ready: Arc<AtomicBool>, stop: CancellationToken) {
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match store.migrate().await {
+            Ok(()) => {
+                ready.store(true, Ordering::Release);
+                tracing::info!("store schema is ready");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%error, retry_in = ?delay, "store migration failed; retrying")
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(10));
+    }
+}

@@ -1,0 +1,320 @@
+//! The claim store: one small trait, the claim and settle types, and the
+//! choice between PostgreSQL and the embedded SQLite store by URL. Both
+//! backends keep the same table and the same semantics; the atomic decision
+//! (who owns a key) is always one `INSERT … ON CONFLICT … RETURNING`.
+
+mod postgres;
+mod sqlite;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::StoreConfig;
+
+pub use postgres::PostgresStore;
+pub use sqlite::SqliteStore;
+
+/// What the store decided about one delivery of a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This request owns the key until `settle` or lease expiry.
+    Won {
+        /// The attempt number: the fencing token `settle` must present.
+        attempt: i32,
+        /// What the key was before this request took it.
+        from: WonFrom,
+        /// The key's first delivery had another body.
+        payload_mismatch: bool,
+    },
+    /// The key was processed already.
+    Done {
+        /// Time since the key's first delivery, by the store's clock.
+        age: Duration,
+        /// This delivery's body differs from the first one's.
+        payload_mismatch: bool,
+    },
+    /// Another delivery holds a live lease on the key.
+    InFlight {
+        /// This delivery's body differs from the first one's.
+        payload_mismatch: bool,
+    },
+}
+
+/// How a won claim came about (the `result` label of `dedupe_claims_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WonFrom {
+    /// The key was new.
+    New,
+    /// The key's last attempt had failed.
+    Failed,
+    /// The key's previous owner let its lease expire.
+    ExpiredLease,
+}
+
+impl Claim {
+    /// Whether this delivery's body differs from the key's first delivery.
+    pub fn payload_mismatch(&self) -> bool {
+        match *self {
+            Claim::Won {
+                payload_mismatch, ..
+            }
+            | Claim::Done {
+                payload_mismatch, ..
+            }
+            | Claim::InFlight { payload_mismatch } => payload_mismatch,
+        }
+    }
+}
+
+/// One delivery's claim request.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The route name.
+    pub source: Arc<str>,
+    /// The idempotency key, verbatim.
+    pub key: String,
+    /// SHA-256 of the body.
+    pub payload_sha256: [u8; 32],
+    /// How long the claim is exclusively held.
+    pub lease: Duration,
+}
+
+/// The outcome written by `settle`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settlement {
+    /// `done` or `failed`.
+    pub status: SettledStatus,
+    /// The upstream's status, when it answered.
+    pub response_status: Option<u16>,
+}
+
+impl Settlement {
+    /// A claim given back without an upstream answer: the next delivery is
+    /// forwarded again.
+    pub const RELEASED: Settlement = Settlement {
+        status: SettledStatus::Failed,
+        response_status: None,
+    };
+}
+
+/// The final states of a claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettledStatus {
+    /// The upstream acted on the event; duplicates are answered by the proxy.
+    Done,
+    /// The attempt failed; the next delivery is forwarded.
+    Failed,
+}
+
+impl SettledStatus {
+    /// The `status` column's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SettledStatus::Done => "done",
+            SettledStatus::Failed => "failed",
+        }
+    }
+}
+
+/// A store failure: every one means "the store is unavailable" to a webhook.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The operation took longer than `store.timeout`.
+    #[error("store operation timed out after {0:?}")]
+    Timeout(Duration),
+    /// PostgreSQL could not be reached or answered with an error.
+    #[error("postgres: {0}")]
+    Postgres(String),
+    /// SQLite failed.
+    #[error("sqlite: {0}")]
+    Sqlite(String),
+}
+
+/// The operations a backend provides. Every call is one short transaction;
+/// none is held across the upstream call.
+pub trait Backend: Send + Sync + 'static {
+    /// Creates or upgrades the schema.
+    fn migrate(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Answers when the store is reachable.
+    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Inserts the key, or takes over a `failed` or lease-expired row, in one
+    /// atomic statement decided by the primary key.
+    fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+    /// Writes the outcome only if `attempt` still owns the key (fencing).
+    /// Returns whether it was written.
+    fn settle(
+        &self,
+        source: &str,
+        key: &str,
+        attempt: i32,
+        settlement: Settlement,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+/// The configured backend, with `store.timeout` applied to every call.
+#[derive(Clone)]
+pub struct Store {
+    backend: Arc<AnyBackend>,
+    timeout: Duration,
+}
+
+enum AnyBackend {
+    Postgres(PostgresStore),
+    Sqlite(SqliteStore),
+}
+
+macro_rules! dispatch {
+    ($self:ident, $backend:ident => $call:expr) => {{
+        let call = async {
+            match &*$self.backend {
+                AnyBackend::Postgres($backend) => $call.await,
+                AnyBackend::Sqlite($backend) => $call.await,
+            }
+        };
+        tokio::time::timeout($self.timeout, call)
+            .await
+            .unwrap_or(Err(StoreError::Timeout($self.timeout)))
+    }};
+}
+
+impl Store {
+    /// Opens the store named by `config.url`. PostgreSQL connects lazily, so
+    /// this succeeds while the server is down; SQLite opens its file now.
+    pub fn open(config: &StoreConfig) -> Result<Self, StoreError> {
+        let backend = match StoreUrl::parse(&config.url).map_err(StoreError::Postgres)? {
+            StoreUrl::Postgres(url) => AnyBackend::Postgres(PostgresStore::new(&url, config)?),
+            StoreUrl::Sqlite(path) => AnyBackend::Sqlite(SqliteStore::open(&path, config)?),
+        };
+        Ok(Self {
+            backend: Arc::new(backend),
+            timeout: config.timeout,
+        })
+    }
+
+    /// See [`Backend::migrate`]; not bounded by `store.timeout`, since a
+    /// migration may wait for another replica's.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        match &*self.backend {
+            AnyBackend::Postgres(backend) => backend.migrate().await,
+            AnyBackend::Sqlite(backend) => backend.migrate().await,
+        }
+    }
+
+    /// See [`Backend::ping`].
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        dispatch!(self, backend => backend.ping())
+    }
+
+    /// See [`Backend::claim`].
+    pub async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+        dispatch!(self, backend => backend.claim(request))
+    }
+
+    /// See [`Backend::settle`].
+    pub async fn settle(
+        &self,
+        source: &str,
+        key: &str,
+        attempt: i32,
+        settlement: Settlement,
+    ) -> Result<bool, StoreError> {
+        dispatch!(self, backend => backend.settle(source, key, attempt, settlement))
+    }
+}
+
+/// A parsed `store.url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// A `postgres://` or `postgresql://` URL, as given.
+    Postgres(String),
+    /// The SQLite database file.
+    Sqlite(String),
+}
+
+impl StoreUrl {
+    /// Recognises the two schemes; `sqlite://relative.db`, `sqlite:///abs.db`.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return url
+                .parse::<tokio_postgres::Config>()
+                .map(|_| StoreUrl::Postgres(url.to_owned()))
+                .map_err(|error| format!("not a valid PostgreSQL URL: {error}"));
+        }
+        match url.strip_prefix("sqlite://") {
+            Some("") => Err("sqlite:// needs a file path, e.g. sqlite://dedupe.db".into()),
+            Some(path) => Ok(StoreUrl::Sqlite(path.to_owned())),
+            None => Err(format!(
+                "`{}` must start with sqlite:// or postgres://",
+                Self::redact(url)
+            )),
+        }
+    }
+
+    /// The URL with any password replaced, for printing.
+    pub fn redact(url: &str) -> String {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return url.to_owned();
+        };
+        let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+        let mut redacted = match authority.rsplit_once('@') {
+            Some((userinfo, host)) => match userinfo.split_once(':') {
+                Some((user, _)) => format!("{scheme}://{user}:REDACTED@{host}{tail}"),
+                None => url.to_owned(),
+            },
+            None => url.to_owned(),
+        };
+        // libpq also accepts the password as a query parameter.
+        if let Some(start) = redacted.find("password=") {
+            let value_start = start + "password=".len();
+            let value_end = redacted[value_start..]
+                .find('&')
+                .map_or(redacted.len(), |end| value_start + end);
+            redacted.replace_range(value_start..value_end, "REDACTED");
+        }
+        redacted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_urls_are_recognised() {
+        assert_eq!(
+            StoreUrl::parse("sqlite://dedupe.db"),
+            Ok(StoreUrl::Sqlite("dedupe.db".into()))
+        );
+        assert_eq!(
+            StoreUrl::parse("sqlite:///var/lib/d.db"),
+            Ok(StoreUrl::Sqlite("/var/lib/d.db".into()))
+        );
+        assert!(matches!(
+            StoreUrl::parse("postgres://u@localhost/db"),
+            Ok(StoreUrl::Postgres(_))
+        ));
+        assert!(matches!(
+            StoreUrl::parse("postgresql://u@localhost/db"),
+            Ok(StoreUrl::Postgres(_))
+        ));
+        assert!(StoreUrl::parse("sqlite://").is_err());
+        assert!(StoreUrl::parse("mysql://x").is_err());
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            StoreUrl::redact("postgres://u:secret@db:5432/x?sslmode=require"),
+            "postgres://u:REDACTED@db:5432/x?sslmode=require"
+        );
+        assert_eq!(
+            StoreUrl::redact("postgres://u@db/x?password=secret&sslmode=require"),
+            "postgres://u@db/x?password=REDACTED&sslmode=require"
+        );
+        assert_eq!(StoreUrl::redact("sqlite://dedupe.db"), "sqlite://dedupe.db");
+    }
+}

@@ -1,0 +1,241 @@
+//! The embedded SQLite backend for a single replica: one connection owned by
+//! a dedicated thread (SQLite has one writer at a time anyway), WAL with
+//! synchronous commits. Times are stored as Unix milliseconds.
+
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use tokio::sync::oneshot;
+
+use super::{Backend, Claim, ClaimRequest, Settlement, StoreError, WonFrom};
+use crate::config::StoreConfig;
+
+type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+
+/// Claims recorded in an SQLite file.
+pub struct SqliteStore {
+    jobs: mpsc::Sender<Job>,
+    sql: Statements,
+}
+
+struct Statements {
+    migrate: String,
+    prior: String,
+    claim: String,
+    settle: String,
+}
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        Self {
+            migrate: format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
+                   source           TEXT    NOT NULL,
+                   event_id         TEXT    NOT NULL,
+                   status           TEXT    NOT NULL CHECK (status IN ('processing','done','failed')),
+                   attempts         INTEGER NOT NULL DEFAULT 1,
+                   payload_sha256   BLOB,
+                   response_status  INTEGER,
+                   received_at      INTEGER NOT NULL,
+                   claimed_at       INTEGER NOT NULL,
+                   lease_expires_at INTEGER,
+                   completed_at     INTEGER,
+                   PRIMARY KEY (source, event_id)
+                 ) WITHOUT ROWID;
+                 CREATE INDEX IF NOT EXISTS {table}_received_at_idx ON {table} (received_at);"
+            ),
+            prior: format!(
+                "SELECT status, payload_sha256, received_at FROM {table}
+                  WHERE source = ?1 AND event_id = ?2"
+            ),
+            claim: format!(
+                "INSERT INTO {table} (source, event_id, status, attempts, payload_sha256,
+                                      received_at, claimed_at, lease_expires_at)
+                 VALUES (?1, ?2, 'processing', 1, ?3, ?4, ?4, ?5)
+                 ON CONFLICT (source, event_id) DO UPDATE
+                    SET status = 'processing', attempts = attempts + 1,
+                        claimed_at = excluded.claimed_at,
+                        lease_expires_at = excluded.lease_expires_at,
+                        response_status = NULL, completed_at = NULL
+                  WHERE status = 'failed'
+                     OR (status = 'processing' AND lease_expires_at <= excluded.claimed_at)
+                 RETURNING attempts"
+            ),
+            settle: format!(
+                "UPDATE {table}
+                    SET status = ?4, response_status = ?5, completed_at = ?6, lease_expires_at = NULL
+                  WHERE source = ?1 AND event_id = ?2 AND status = 'processing' AND attempts = ?3"
+            ),
+        }
+    }
+}
+
+struct Prior {
+    status: String,
+    payload_sha256: Option<Vec<u8>>,
+    received_at: i64,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file and starts its thread.
+    pub fn open(path: &str, config: &StoreConfig) -> Result<Self, StoreError> {
+        if config.table.contains('.') {
+            return Err(StoreError::Sqlite(format!(
+                "store.table `{}`: SQLite tables cannot be schema-qualified",
+                config.table
+            )));
+        }
+        let connection = open_connection(Path::new(path), config.timeout)
+            .map_err(|error| StoreError::Sqlite(format!("cannot open {path}: {error}")))?;
+        let (jobs, queue) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("dedupe-sqlite".into())
+            .spawn(move || {
+                let mut connection = connection;
+                for job in queue {
+                    job(&mut connection);
+                }
+            })
+            .map_err(|error| StoreError::Sqlite(error.to_string()))?;
+        Ok(Self {
+            jobs,
+            sql: Statements::new(&config.table),
+        })
+    }
+
+    /// Runs `work` on the store's thread.
+    async fn call<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (reply, result) = oneshot::channel();
+        let job: Job = Box::new(move |connection| {
+            let _ = reply.send(work(connection));
+        });
+        self.jobs
+            .send(job)
+            .map_err(|_| StoreError::Sqlite("the store thread has stopped".into()))?;
+        result
+            .await
+            .map_err(|_| StoreError::Sqlite("the store thread has stopped".into()))?
+            .map_err(|error| StoreError::Sqlite(error.to_string()))
+    }
+}
+
+fn open_connection(path: &Path, busy_timeout: Duration) -> rusqlite::Result<Connection> {
+    let connection = Connection::open(path)?;
+    connection.busy_timeout(busy_timeout)?;
+    connection.pragma_update(None, "journal_mode", "WAL")?;
+    // FULL: a commit is on disk before the claim is answered, as in PostgreSQL.
+    connection.pragma_update(None, "synchronous", "FULL")?;
+    Ok(connection)
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        })
+}
+
+impl Backend for SqliteStore {
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let sql = self.sql.migrate.clone();
+        self.call(move |connection| connection.execute_batch(&sql))
+            .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.call(|connection| connection.query_row("SELECT 1", [], |_| Ok(())))
+            .await
+    }
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+        let (prior_sql, claim_sql) = (self.sql.prior.clone(), self.sql.claim.clone());
+        let request = request.clone();
+        self.call(move |connection| {
+            let now = now_ms();
+            let lease_ms = i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX);
+            // IMMEDIATE takes the write lock first, so the prior read (which
+            // only classifies the result) and the claim see the same row.
+            let transaction =
+                connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let source: &str = &request.source;
+            let prior = transaction
+                .prepare_cached(&prior_sql)?
+                .query_row(params![source, request.key], |row| {
+                    Ok(Prior {
+                        status: row.get(0)?,
+                        payload_sha256: row.get(1)?,
+                        received_at: row.get(2)?,
+                    })
+                })
+                .optional()?;
+            let won: Option<i32> = transaction
+                .prepare_cached(&claim_sql)?
+                .query_row(
+                    params![
+                        source,
+                        request.key,
+                        &request.payload_sha256[..],
+                        now,
+                        now.saturating_add(lease_ms)
+                    ],
+                    |row| row.get(0),
+                )
+                .optional()?;
+            transaction.commit()?;
+            Ok(classify(won, prior, &request.payload_sha256, now))
+        })
+        .await
+    }
+
+    async fn settle(
+        &self,
+        source: &str,
+        key: &str,
+        attempt: i32,
+        settlement: Settlement,
+    ) -> Result<bool, StoreError> {
+        let sql = self.sql.settle.clone();
+        let (source, key) = (source.to_owned(), key.to_owned());
+        self.call(move |connection| {
+            let updated = connection.prepare_cached(&sql)?.execute(params![
+                source,
+                key,
+                attempt,
+                settlement.status.as_str(),
+                settlement.response_status,
+                now_ms()
+            ])?;
+            Ok(updated == 1)
+        })
+        .await
+    }
+}
+
+fn classify(won: Option<i32>, prior: Option<Prior>, payload_sha256: &[u8; 32], now: i64) -> Claim {
+    let payload_mismatch = prior
+        .as_ref()
+        .and_then(|prior| prior.payload_sha256.as_deref())
+        .is_some_and(|stored| stored != payload_sha256);
+    match (won, prior) {
+        (Some(attempt), prior) => Claim::Won {
+            attempt,
+            from: match prior.as_ref().map(|prior| prior.status.as_str()) {
+                None => WonFrom::New,
+                Some("processing") => WonFrom::ExpiredLease,
+                Some(_) => WonFrom::Failed,
+            },
+            payload_mismatch,
+        },
+        (None, Some(prior)) if prior.status == "done" => Claim::Done {
+            age: Duration::from_millis(u64::try_from(now - prior.received_at).unwrap_or(0)),
+            payload_mismatch,
+        },
+        (None, _) => Claim::InFlight { payload_mismatch },
+    }
+}

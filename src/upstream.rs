@@ -1,0 +1,296 @@
+//! The upstream application: a pooled HTTP client with connect and response
+//! timeouts, and the header rewriting a forwarding proxy owes both sides
+//! (hop-by-hop fields per RFC 9110 section 7.6.1, `X-Forwarded-*`, the
+//! proxy's own `X-Dedupe-*` fields). Knows nothing about claims.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::request::Parts;
+use http::{Request, Response, Uri};
+use http_body_util::combinators::BoxBody;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::UpstreamConfig;
+
+/// Why the upstream gave no response.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// No connection could be made (refused, unreachable, connect timeout).
+    #[error("cannot connect to the upstream: {0}")]
+    Connect(String),
+    /// The connection failed after the request was sent.
+    #[error("the upstream failed: {0}")]
+    Failed(String),
+    /// No response headers within `upstream.timeout`.
+    #[error("the upstream did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// A request body: buffered, or streamed through from the sender.
+pub type RequestBody = BoxBody<Bytes, hyper::Error>;
+
+/// The pooled client and where it sends requests.
+pub struct Upstream {
+    client: Client<HttpConnector, RequestBody>,
+    scheme: http::uri::Scheme,
+    authority: http::uri::Authority,
+    base_path: String,
+    timeout: Duration,
+}
+
+/// The `X-Dedupe-*` fields the upstream gets with a deduplicated request.
+pub struct DedupeHeaders {
+    /// `X-Dedupe-Key`, already percent-encoded.
+    pub key: HeaderValue,
+    /// `X-Dedupe-Source`: the route name.
+    pub source: HeaderValue,
+    /// `X-Dedupe-Attempt`.
+    pub attempt: i32,
+}
+
+/// How the request reached the proxy, for `X-Forwarded-*`.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer {
+    /// The sender's address.
+    pub addr: SocketAddr,
+    /// Whether the listener terminated TLS.
+    pub tls: bool,
+}
+
+const HOP_BY_HOP: [HeaderName; 6] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+impl Upstream {
+    /// A client for `config.url` (validated by the configuration).
+    pub fn new(config: &UpstreamConfig) -> Self {
+        let url: Uri = config.url.parse().expect("validated upstream.url");
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Self {
+            client,
+            scheme: url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP),
+            authority: url.authority().cloned().expect("validated: url has a host"),
+            base_path: url.path().trim_end_matches('/').to_owned(),
+            timeout: config.timeout,
+        }
+    }
+
+    /// Sends the request and waits for the response headers; the body is
+    /// left to stream.
+    pub async fn send(
+        &self,
+        mut parts: Parts,
+        body: RequestBody,
+        peer: Peer,
+        dedupe: Option<DedupeHeaders>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        parts.uri = self.target(&parts.uri);
+        parts.version = http::Version::HTTP_11;
+        prepare_request_headers(&mut parts, peer, dedupe);
+        let request = Request::from_parts(parts, body);
+        match tokio::time::timeout(self.timeout, self.client.request(request)).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Err(error)) if error.is_connect() => {
+                Err(UpstreamError::Connect(error_chain(&error)))
+            }
+            Ok(Err(error)) => Err(UpstreamError::Failed(error_chain(&error))),
+            Ok(Ok(mut response)) => {
+                strip_hop_by_hop(response.headers_mut());
+                Ok(response)
+            }
+        }
+    }
+
+    fn target(&self, uri: &Uri) -> Uri {
+        let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(format!("{}{}", self.base_path, path_and_query))
+            .build()
+            .expect("a valid base and a valid path make a valid URI")
+    }
+}
+
+fn prepare_request_headers(parts: &mut Parts, peer: Peer, dedupe: Option<DedupeHeaders>) {
+    let headers = &mut parts.headers;
+    strip_hop_by_hop(headers);
+    strip_dedupe_headers(headers);
+    let original_host = headers.get(header::HOST).cloned().or_else(|| {
+        parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    });
+    if let Some(host) = original_host {
+        headers.insert(header::HOST, host.clone());
+        headers.insert(HeaderName::from_static("x-forwarded-host"), host);
+    }
+    let client_ip = peer.addr.ip().to_string();
+    let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(previous) => format!("{previous}, {client_ip}"),
+        None => client_ip,
+    };
+    if let Ok(value) = HeaderValue::try_from(forwarded_for) {
+        headers.insert(HeaderName::from_static("x-forwarded-for"), value);
+    }
+    headers.insert(
+        HeaderName::from_static("x-forwarded-proto"),
+        HeaderValue::from_static(if peer.tls { "https" } else { "http" }),
+    );
+    if let Some(dedupe) = dedupe {
+        headers.insert(HeaderName::from_static("x-dedupe-key"), dedupe.key);
+        headers.insert(HeaderName::from_static("x-dedupe-source"), dedupe.source);
+        headers.insert(
+            HeaderName::from_static("x-dedupe-attempt"),
+            dedupe.attempt.into(),
+        );
+    }
+}
+
+/// Removes the fields that describe one connection, not the message: the
+/// fixed hop-by-hop set and every field the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+}
+
+/// Removes every `X-Dedupe-*` field, so a sender cannot forge them.
+fn strip_dedupe_headers(headers: &mut HeaderMap) {
+    let forged: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().starts_with("x-dedupe-"))
+        .cloned()
+        .collect();
+    for name in forged {
+        headers.remove(name);
+    }
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(headers: &[(&str, &str)]) -> Parts {
+        let mut builder = Request::post("/hooks/a?x=1");
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        builder.body(()).unwrap().into_parts().0
+    }
+
+    fn peer() -> Peer {
+        Peer {
+            addr: "10.1.2.3:5555".parse().unwrap(),
+            tls: false,
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_named_fields_are_removed() {
+        let mut parts = parts(&[
+            ("connection", "keep-alive, x-private"),
+            ("keep-alive", "timeout=5"),
+            ("x-private", "1"),
+            ("te", "trailers"),
+            ("upgrade", "h2c"),
+            ("x-kept", "yes"),
+        ]);
+        prepare_request_headers(&mut parts, peer(), None);
+        for gone in ["connection", "keep-alive", "x-private", "te", "upgrade"] {
+            assert!(!parts.headers.contains_key(gone), "{gone} kept");
+        }
+        assert_eq!(parts.headers["x-kept"], "yes");
+    }
+
+    #[test]
+    fn forged_dedupe_fields_are_replaced() {
+        let mut parts = parts(&[
+            ("x-dedupe-key", "forged"),
+            ("x-dedupe-attempt", "9"),
+            ("x-dedupe-other", "x"),
+        ]);
+        let dedupe = DedupeHeaders {
+            key: HeaderValue::from_static("evt_1"),
+            source: HeaderValue::from_static("orders"),
+            attempt: 2,
+        };
+        prepare_request_headers(&mut parts, peer(), Some(dedupe));
+        assert_eq!(parts.headers["x-dedupe-key"], "evt_1");
+        assert_eq!(parts.headers["x-dedupe-source"], "orders");
+        assert_eq!(parts.headers["x-dedupe-attempt"], "2");
+        assert!(!parts.headers.contains_key("x-dedupe-other"));
+        let mut unmatched = self::parts(&[("x-dedupe-key", "forged")]);
+        prepare_request_headers(&mut unmatched, peer(), None);
+        assert!(!unmatched.headers.contains_key("x-dedupe-key"));
+    }
+
+    #[test]
+    fn forwarded_fields_are_appended_and_host_preserved() {
+        let mut parts = parts(&[
+            ("host", "hooks.example.com"),
+            ("x-forwarded-for", "192.0.2.1"),
+        ]);
+        prepare_request_headers(
+            &mut parts,
+            Peer {
+                tls: true,
+                ..peer()
+            },
+            None,
+        );
+        assert_eq!(parts.headers["host"], "hooks.example.com");
+        assert_eq!(parts.headers["x-forwarded-host"], "hooks.example.com");
+        assert_eq!(parts.headers["x-forwarded-for"], "192.0.2.1, 10.1.2.3");
+        assert_eq!(parts.headers["x-forwarded-proto"], "https");
+    }
+
+    #[test]
+    fn target_keeps_the_base_path_and_query() {
+        let upstream = Upstream::new(&UpstreamConfig {
+            url: "http://app:3000/base/".into(),
+            ..Default::default()
+        });
+        assert_eq!(
+            upstream
+                .target(&"/hooks/a?x=1".parse().unwrap())
+                .to_string(),
+            "http://app:3000/base/hooks/a?x=1"
+        );
+    }
+}
