@@ -1,0 +1,279 @@
+//! The binary: subcommands, exit codes, configuration errors, signals.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::support::{Backend, TestStore};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_dedupe-proxy");
+
+/// The proxy binary, started with a configuration file.
+pub struct ProxyProcess {
+    pub addr: std::net::SocketAddr,
+    pub admin: std::net::SocketAddr,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl ProxyProcess {
+    /// Starts the binary and waits for its "serving" log line.
+    pub async fn start(config: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, config).unwrap();
+        let mut child = Command::new(BINARY)
+            .args(["run", "--log-format", "json", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "info")
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the binary");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let serving = async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                if event["message"] == "dedupe-proxy serving" {
+                    return event;
+                }
+            }
+            panic!("the binary exited before serving");
+        };
+        let event = tokio::time::timeout(Duration::from_secs(20), serving)
+            .await
+            .expect("serving line");
+        // Keep draining stderr so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let addr = |field: &str| event[field].as_str().unwrap().parse().unwrap();
+        Self {
+            addr: addr("listen"),
+            admin: addr("admin_listen"),
+            child,
+            _dir: dir,
+        }
+    }
+
+    pub async fn wait_ready(&self) {
+        let client = crate::support::client();
+        let uri: http::Uri = format!("http://{}/readyz", self.admin).parse().unwrap();
+        let ready = async {
+            loop {
+                if client
+                    .get(uri.clone())
+                    .await
+                    .is_ok_and(|response| response.status() == 200)
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), ready)
+            .await
+            .expect("binary ready");
+    }
+
+    /// SIGKILL: no shutdown path runs.
+    pub async fn kill(&mut self) {
+        self.child.kill().await.unwrap();
+    }
+
+    pub fn terminate(&self) {
+        let pid = self.child.id().expect("running") as i32;
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    pub async fn wait(&mut self) -> std::process::ExitStatus {
+        tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("exits")
+            .unwrap()
+    }
+}
+
+struct Output {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(args: &[&str], config: Option<&str>, env: &[(&str, &str)]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = std::process::Command::new(BINARY);
+    command
+        .args(args)
+        .env_remove("DEDUPE_CONFIG")
+        .env_remove("DEDUPE_STORE_URL")
+        .envs(env.iter().copied());
+    if let Some(config) = config {
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, config).unwrap();
+        command.arg("--config").arg(path);
+    }
+    let output = command.output().unwrap();
+    Output {
+        code: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+const VALID: &str = "store: { url: 'postgres://app:hunter2@127.0.0.1:1/db' }\nroutes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]\n";
+
+#[test]
+fn check_config_prints_the_effective_config_with_the_password_redacted() {
+    let out = run(&["check-config"], Some(VALID), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let printed: serde_yaml::Value = serde_yaml::from_str(&out.stdout).unwrap();
+    assert_eq!(printed["store"]["lease"].as_str(), Some("5m"));
+    assert_eq!(printed["routes"][0]["duplicate_status"].as_u64(), Some(200));
+    assert_eq!(printed["routes"][0]["retention"].as_str(), Some("7days"));
+    assert!(!out.stdout.contains("hunter2"), "{}", out.stdout);
+    assert!(out.stdout.contains("REDACTED"));
+}
+
+#[test]
+fn configuration_errors_exit_2_naming_the_field() {
+    let unknown = run(&["check-config"], Some("store: { lease_time: 5m }\n"), &[]);
+    assert_eq!(unknown.code, 2);
+    assert!(
+        unknown.stderr.contains("lease_time") && unknown.stderr.contains("line"),
+        "{}",
+        unknown.stderr
+    );
+    let invalid = run(
+        &["check-config"],
+        Some("store: { lease: 10s }\nupstream: { timeout: 30s }\n"),
+        &[],
+    );
+    assert_eq!(invalid.code, 2);
+    assert!(invalid.stderr.contains("store.lease"), "{}", invalid.stderr);
+    let missing = run(&["check-config"], None, &[]);
+    assert_eq!(missing.code, 2);
+    assert!(missing.stderr.contains("--config"), "{}", missing.stderr);
+    let unreadable = run(
+        &["check-config", "--config", "/nonexistent/dedupe.yaml"],
+        None,
+        &[],
+    );
+    assert_eq!(unreadable.code, 2);
+    let usage = run(&["no-such-command"], Some(VALID), &[]);
+    assert_eq!(usage.code, 2);
+}
+
+#[test]
+fn config_may_come_from_the_environment_and_follow_the_subcommand() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.yaml");
+    std::fs::write(&path, VALID).unwrap();
+    let path = path.to_str().unwrap();
+    let from_env = run(
+        &["check-config"],
+        None,
+        &[
+            ("DEDUPE_CONFIG", path),
+            ("DEDUPE_STORE_URL", "sqlite://override.db"),
+        ],
+    );
+    assert_eq!(from_env.code, 0, "{}", from_env.stderr);
+    assert!(
+        from_env.stdout.contains("sqlite://override.db"),
+        "{}",
+        from_env.stdout
+    );
+    let before = run(&["--config", path, "check-config"], None, &[]);
+    assert_eq!(before.code, 0, "{}", before.stderr);
+}
+
+#[test]
+fn check_config_connect_fails_when_the_store_is_unreachable() {
+    let out = run(&["check-config", "--connect"], Some(VALID), &[]);
+    assert_eq!(out.code, 1, "{}", out.stderr);
+}
+
+#[tokio::test]
+async fn migrate_creates_the_schema() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let out = run(
+        &["migrate"],
+        Some(&format!(
+            "store: {{ url: '{}', table: my_events }}\n",
+            store.url
+        )),
+        &[],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let client = store.postgres().await;
+    let columns: Vec<String> = client
+        .query("SELECT column_name::text FROM information_schema.columns WHERE table_name = 'my_events' ORDER BY ordinal_position", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            "source",
+            "event_id",
+            "status",
+            "attempts",
+            "payload_sha256",
+            "response_status",
+            "received_at",
+            "claimed_at",
+            "lease_expires_at",
+            "completed_at"
+        ]
+    );
+    let index: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE indexname = 'my_events_received_at_idx'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(index, 1);
+    let again = run(
+        &["migrate"],
+        Some(&format!(
+            "store: {{ url: '{}', table: my_events }}\n",
+            store.url
+        )),
+        &[],
+    );
+    assert_eq!(again.code, 0, "{}", again.stderr);
+}
+
+#[test]
+fn migrate_against_an_unreachable_store_exits_1() {
+    let out = run(
+        &["migrate"],
+        Some("store: { url: 'postgres://postgres@127.0.0.1:1/db', timeout: 500ms }\n"),
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}", out.stderr);
+}
+
+#[tokio::test]
+async fn sigterm_stops_the_binary_with_exit_code_0() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let mut proxy = ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nstore: {{ url: '{}' }}\n",
+        store.url
+    ))
+    .await;
+    proxy.wait_ready().await;
+    proxy.terminate();
+    assert_eq!(proxy.wait().await.code(), Some(0));
+}

@@ -1,0 +1,353 @@
+//! The happy and retry paths of SPEC section 3: first delivery, duplicates,
+//! failures and retries, concurrency, shadow mode, and the headers the
+//! upstream and the sender see.
+
+use std::sync::Arc;
+
+use crate::on_both_stores;
+use crate::support::{Backend, Behavior, Gate, TestApp};
+use dedupe_proxy::config::{Mode, OnPayloadMismatch, StatusMatch};
+
+on_both_stores!(
+    first_delivery_is_forwarded_once_and_duplicates_are_answered_by_the_proxy,
+    upstream_failure_settles_failed_and_the_retry_is_forwarded_with_attempt_two,
+    done_on_decides_which_statuses_count_as_processed,
+    concurrent_identical_deliveries_reach_the_upstream_exactly_once,
+    in_flight_duplicates_get_409_with_retry_after,
+    unreachable_upstream_answers_502_and_the_retry_goes_through,
+    upstream_timeout_answers_504_and_settles_failed,
+    json_keys_are_read_from_the_body,
+    shadow_mode_forwards_everything_but_records_claims,
+    payload_mismatch_is_counted_or_rejected,
+    forwarded_requests_carry_dedupe_and_forwarding_headers,
+    unmatched_requests_are_forwarded_untouched,
+    missing_key_can_be_forwarded_without_dedupe,
+);
+
+async fn first_delivery_is_forwarded_once_and_duplicates_are_answered_by_the_proxy(
+    backend: Backend,
+) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let first = app.deliver("evt_1", r#"{"n":1}"#).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.outcome(), "forwarded");
+    assert_eq!(
+        first.header("x-upstream"),
+        Some("yes"),
+        "the upstream's response is passed back"
+    );
+    assert_eq!(first.body, "upstream says 200 to evt_1");
+
+    // Settle happens before the answer, so an immediate retry is a duplicate.
+    for _ in 0..3 {
+        let again = app.deliver("evt_1", r#"{"n":1}"#).await;
+        assert_eq!(again.status, 200);
+        assert_eq!(again.outcome(), "duplicate");
+        assert!(again.header("x-upstream").is_none());
+    }
+    assert_eq!(app.upstream.count(), 1);
+    let other = app.deliver("evt_2", "{}").await;
+    assert_eq!(other.outcome(), "forwarded");
+    assert_eq!(app.upstream.count(), 2);
+}
+
+async fn upstream_failure_settles_failed_and_the_retry_is_forwarded_with_attempt_two(
+    backend: Backend,
+) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    app.upstream.script(
+        "evt_f",
+        [
+            Behavior::Status(500),
+            Behavior::Status(503),
+            Behavior::Status(201),
+        ],
+    );
+    let first = app.deliver("evt_f", "{}").await;
+    assert_eq!((first.status, first.outcome()), (500, "forwarded"));
+    let second = app.deliver("evt_f", "{}").await;
+    assert_eq!((second.status, second.outcome()), (503, "forwarded"));
+    let third = app.deliver("evt_f", "{}").await;
+    assert_eq!((third.status, third.outcome()), (201, "forwarded"));
+    let fourth = app.deliver("evt_f", "{}").await;
+    assert_eq!(fourth.outcome(), "duplicate");
+    let attempts: Vec<_> = app
+        .upstream
+        .seen()
+        .iter()
+        .map(|s| s.header("x-dedupe-attempt").unwrap().to_string())
+        .collect();
+    assert_eq!(attempts, ["1", "2", "3"]);
+}
+
+async fn done_on_decides_which_statuses_count_as_processed(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| {
+        config.routes[0].done_on = Some(vec![StatusMatch::Class(2), StatusMatch::Exact(410)]);
+        config.routes[0].duplicate_status = Some(208);
+    })
+    .await;
+    app.upstream.script("gone", [Behavior::Status(410)]);
+    app.upstream.script("missing", [Behavior::Status(404)]);
+    assert_eq!(app.deliver("gone", "{}").await.status, 410);
+    let duplicate = app.deliver("gone", "{}").await;
+    assert_eq!((duplicate.status, duplicate.outcome()), (208, "duplicate"));
+    assert_eq!(app.deliver("missing", "{}").await.status, 404);
+    assert_eq!(
+        app.deliver("missing", "{}").await.outcome(),
+        "forwarded",
+        "404 is not in done_on: retried"
+    );
+    assert_eq!(app.upstream.count(), 3);
+}
+
+async fn concurrent_identical_deliveries_reach_the_upstream_exactly_once(backend: Backend) {
+    let app = Arc::new(TestApp::spawn(backend, |_| {}).await);
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_c", [Behavior::Gate(Arc::clone(&gate))]);
+    let (done, mut responses) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..50 {
+        let (app, done) = (Arc::clone(&app), done.clone());
+        tokio::spawn(async move { done.send(app.deliver("evt_c", r#"{"same":true}"#).await) });
+    }
+    // The winner is held at the gate, so every other delivery must be
+    // answered without it.
+    let mut losers = Vec::new();
+    for _ in 0..49 {
+        let response =
+            tokio::time::timeout(std::time::Duration::from_secs(20), responses.recv()).await;
+        losers.push(
+            response
+                .expect("49 deliveries answered while one is held upstream")
+                .unwrap(),
+        );
+    }
+    assert!(
+        losers
+            .iter()
+            .all(|r| (r.status, r.outcome()) == (409, "in-flight")),
+        "{losers:?}"
+    );
+    gate.open();
+    let winner = responses.recv().await.unwrap();
+    assert_eq!((winner.status, winner.outcome()), (200, "forwarded"));
+    assert_eq!(app.upstream.count(), 1);
+}
+
+async fn in_flight_duplicates_get_409_with_retry_after(backend: Backend) {
+    let app = Arc::new(
+        TestApp::spawn(backend, |config| {
+            config.defaults.in_flight_retry_after = std::time::Duration::from_secs(7);
+        })
+        .await,
+    );
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_slow", [Behavior::Gate(Arc::clone(&gate))]);
+    let first = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.deliver("evt_slow", "{}").await }
+    });
+    app.upstream.wait_for(1).await;
+    let duplicate = app.deliver("evt_slow", "{}").await;
+    assert_eq!(duplicate.status, 409);
+    assert_eq!(duplicate.outcome(), "in-flight");
+    assert_eq!(duplicate.header("retry-after"), Some("7"));
+    gate.open();
+    assert_eq!(first.await.unwrap().outcome(), "forwarded");
+    assert_eq!(app.deliver("evt_slow", "{}").await.outcome(), "duplicate");
+    assert_eq!(app.upstream.count(), 1);
+}
+
+async fn unreachable_upstream_answers_502_and_the_retry_goes_through(backend: Backend) {
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let closed_addr = closed.local_addr().unwrap();
+    drop(closed);
+    let app = TestApp::spawn(backend, |config| {
+        config.upstream.url = format!("http://{closed_addr}")
+    })
+    .await;
+    let refused = app.deliver("evt_u", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (502, "upstream-error"));
+    // Same store, now with a working upstream: the key was settled failed.
+    let store = Arc::clone(&app.store);
+    drop(app);
+    let app = TestApp::spawn_on(store, crate::support::Upstream::start().await, |_| {}).await;
+    let retry = app.deliver("evt_u", "{}").await;
+    assert_eq!((retry.status, retry.outcome()), (200, "forwarded"));
+    assert_eq!(app.upstream.seen()[0].header("x-dedupe-attempt"), Some("2"));
+}
+
+async fn upstream_timeout_answers_504_and_settles_failed(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| {
+        config.upstream.timeout = std::time::Duration::from_millis(300)
+    })
+    .await;
+    app.upstream.script("evt_t", [Behavior::Hang]);
+    let timed_out = app.deliver("evt_t", "{}").await;
+    assert_eq!(
+        (timed_out.status, timed_out.outcome()),
+        (504, "upstream-error")
+    );
+    let retry = app.deliver("evt_t", "{}").await;
+    assert_eq!((retry.status, retry.outcome()), (200, "forwarded"));
+    assert_eq!(app.upstream.count(), 2);
+    assert_eq!(app.upstream.seen()[1].header("x-dedupe-attempt"), Some("2"));
+}
+
+async fn json_keys_are_read_from_the_body(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let body = r#"{"id":"evt_json","type":"charge"}"#;
+    assert_eq!(
+        app.post("/hooks/json", &[], body).await.outcome(),
+        "forwarded"
+    );
+    assert_eq!(
+        app.post("/hooks/json", &[], body).await.outcome(),
+        "duplicate"
+    );
+    assert_eq!(
+        app.post("/hooks/json", &[], r#"{"id":12345}"#)
+            .await
+            .outcome(),
+        "forwarded"
+    );
+    assert_eq!(app.upstream.seen()[1].header("x-dedupe-key"), Some("12345"));
+    // Keys are namespaced by route: the same id on another route is new.
+    assert_eq!(app.deliver("evt_json", body).await.outcome(), "forwarded");
+    assert_eq!(app.upstream.count(), 3);
+}
+
+async fn shadow_mode_forwards_everything_but_records_claims(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| config.routes[0].mode = Mode::Shadow).await;
+    let first = app.deliver("evt_s", "{}").await;
+    let second = app.deliver("evt_s", "{}").await;
+    assert_eq!((first.status, first.outcome()), (200, "passthrough"));
+    assert_eq!((second.status, second.outcome()), (200, "passthrough"));
+    assert_eq!(app.upstream.count(), 2, "shadow mode suppresses nothing");
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_claims_total{result="lost_done",route="orders"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"dedupe_requests_total{outcome="duplicate",route="orders"} 1"#),
+        "{metrics}"
+    );
+}
+
+async fn payload_mismatch_is_counted_or_rejected(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| {
+        config.routes[1].on_payload_mismatch = Some(OnPayloadMismatch::Reject)
+    })
+    .await;
+    // warn (default): answered by key, counted.
+    app.deliver("evt_m", r#"{"amount":1}"#).await;
+    let changed = app.deliver("evt_m", r#"{"amount":2}"#).await;
+    assert_eq!(changed.outcome(), "duplicate");
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_payload_mismatch_total{route="orders"} 1"#),
+        "{metrics}"
+    );
+    // reject: 422, nothing forwarded.
+    app.post("/hooks/json", &[], r#"{"id":"evt_r","amount":1}"#)
+        .await;
+    let rejected = app
+        .post("/hooks/json", &[], r#"{"id":"evt_r","amount":2}"#)
+        .await;
+    assert_eq!((rejected.status, rejected.outcome()), (422, "rejected"));
+    assert_eq!(app.upstream.count(), 2);
+}
+
+async fn forwarded_requests_carry_dedupe_and_forwarding_headers(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let response = app
+        .post(
+            "/hooks/orders?x=1",
+            &[
+                ("x-event-id", "evt h/1"),
+                ("host", "hooks.example.com"),
+                ("x-dedupe-attempt", "99"),
+                ("x-dedupe-source", "forged"),
+                ("x-forwarded-for", "192.0.2.7"),
+                ("connection", "x-hop"),
+                ("x-hop", "secret"),
+                ("x-custom", "kept"),
+            ],
+            "payload",
+        )
+        .await;
+    assert_eq!(response.outcome(), "forwarded");
+    let seen = &app.upstream.seen()[0];
+    assert_eq!(seen.uri.path(), "/hooks/orders");
+    assert_eq!(seen.uri.query(), Some("x=1"));
+    assert_eq!(seen.header("x-dedupe-key"), Some("evt%20h/1"));
+    assert_eq!(seen.header("x-dedupe-source"), Some("orders"));
+    assert_eq!(seen.header("x-dedupe-attempt"), Some("1"));
+    assert_eq!(seen.header("host"), Some("hooks.example.com"));
+    assert_eq!(seen.header("x-forwarded-host"), Some("hooks.example.com"));
+    assert_eq!(seen.header("x-forwarded-for"), Some("192.0.2.7, 127.0.0.1"));
+    assert_eq!(seen.header("x-forwarded-proto"), Some("http"));
+    assert_eq!(seen.header("x-hop"), None);
+    assert_eq!(seen.header("x-custom"), Some("kept"));
+    assert_eq!(&seen.body[..], b"payload");
+}
+
+async fn unmatched_requests_are_forwarded_untouched(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let response = app
+        .send(
+            http::Method::GET,
+            "/health/app",
+            &[("x-dedupe-key", "forged")],
+            "",
+        )
+        .await;
+    assert_eq!((response.status, response.outcome()), (200, "passthrough"));
+    // A route's path with another method does not match the route either.
+    let put = app
+        .send(
+            http::Method::PUT,
+            "/hooks/orders",
+            &[("x-event-id", "evt_p")],
+            "x",
+        )
+        .await;
+    assert_eq!(put.outcome(), "passthrough");
+    let put_again = app
+        .send(
+            http::Method::PUT,
+            "/hooks/orders",
+            &[("x-event-id", "evt_p")],
+            "x",
+        )
+        .await;
+    assert_eq!(put_again.outcome(), "passthrough");
+    assert_eq!(app.upstream.count(), 3);
+    let seen = app.upstream.seen();
+    assert_eq!(
+        seen[0].header("x-dedupe-key"),
+        None,
+        "sender's X-Dedupe-* stripped"
+    );
+    assert_eq!(seen[0].method, http::Method::GET);
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_requests_total{outcome="passthrough",route="unmatched"} 3"#),
+        "{metrics}"
+    );
+}
+
+async fn missing_key_can_be_forwarded_without_dedupe(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| {
+        config.routes[0].on_missing_key = Some(dedupe_proxy::config::OnMissingKey::Forward);
+    })
+    .await;
+    for _ in 0..2 {
+        let response = app.post("/hooks/orders", &[], "{}").await;
+        assert_eq!((response.status, response.outcome()), (200, "passthrough"));
+    }
+    assert_eq!(app.upstream.count(), 2);
+    assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
+}

@@ -1,0 +1,277 @@
+//! Outages, start-up with the store down, graceful shutdown and crashes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::on_both_stores;
+use crate::support::{Backend, Behavior, Gate, Relay, TestApp, TestStore, Upstream};
+use dedupe_proxy::config::OnUnavailable;
+
+on_both_stores!(
+    store_outage_answers_503_forwards_nothing_and_recovers_without_restart,
+    store_outage_can_forward_without_dedupe,
+    graceful_shutdown_finishes_in_flight_requests_and_refuses_new_connections,
+    claims_still_open_at_the_grace_deadline_are_released,
+    a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_not_before,
+);
+
+/// Makes the store unavailable to the proxy and back: a relay cut for
+/// PostgreSQL, an exclusive lock held by another connection for SQLite.
+enum Outage {
+    Postgres(Relay),
+    Sqlite {
+        path: String,
+        lock: Option<std::sync::mpsc::Sender<()>>,
+    },
+}
+
+impl Outage {
+    /// Returns the outage switch and the store URL the proxy must use.
+    async fn prepare(backend: Backend, store: &TestStore) -> (Self, String) {
+        match backend {
+            Backend::Postgres => {
+                let relay = Relay::start(store.postgres_addr(), true).await;
+                let url = store.url_via(relay.addr);
+                (Outage::Postgres(relay), url)
+            }
+            Backend::Sqlite => {
+                let path = store.url.trim_start_matches("sqlite://").to_string();
+                (Outage::Sqlite { path, lock: None }, store.url.clone())
+            }
+        }
+    }
+
+    async fn begin(&mut self) {
+        match self {
+            Outage::Postgres(relay) => relay.cut().await,
+            Outage::Sqlite { path, lock } => {
+                let (release, released) = std::sync::mpsc::channel::<()>();
+                let (locked, is_locked) = std::sync::mpsc::channel::<()>();
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    let connection = rusqlite::Connection::open(path).unwrap();
+                    connection.execute_batch("BEGIN EXCLUSIVE").unwrap();
+                    locked.send(()).unwrap();
+                    let _ = released.recv();
+                    connection.execute_batch("COMMIT").unwrap();
+                });
+                is_locked.recv().unwrap();
+                *lock = Some(release);
+            }
+        }
+    }
+
+    fn end(&mut self) {
+        match self {
+            Outage::Postgres(relay) => relay.restore(),
+            Outage::Sqlite { lock, .. } => drop(lock.take()),
+        }
+    }
+}
+
+async fn store_outage_answers_503_forwards_nothing_and_recovers_without_restart(backend: Backend) {
+    let store = Arc::new(TestStore::new(backend).await);
+    let (mut outage, url) = Outage::prepare(backend, &store).await;
+    let app = TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.url = url
+    })
+    .await;
+    assert_eq!(app.deliver("evt_before", "{}").await.outcome(), "forwarded");
+
+    outage.begin().await;
+    for key in ["evt_during", "evt_before"] {
+        let response = app.deliver(key, "{}").await;
+        assert_eq!(
+            (response.status, response.outcome()),
+            (503, "unavailable"),
+            "{key}"
+        );
+        assert_eq!(response.header("retry-after"), Some("3"));
+    }
+    assert_eq!(
+        app.upstream.count(),
+        1,
+        "nothing forwarded during the outage"
+    );
+    if backend == Backend::Postgres {
+        assert_eq!(app.admin_get("/readyz").await.status, 503);
+    }
+    assert_eq!(app.admin_get("/healthz").await.status, 200);
+
+    outage.end();
+    app.wait_ready().await;
+    let recovered = async {
+        loop {
+            let response = app.deliver("evt_during", "{}").await;
+            if response.status != 503 {
+                return response;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let response = tokio::time::timeout(Duration::from_secs(15), recovered)
+        .await
+        .expect("recovered");
+    assert_eq!(response.outcome(), "forwarded");
+    assert_eq!(app.deliver("evt_before", "{}").await.outcome(), "duplicate");
+    assert_eq!(app.upstream.count(), 2);
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_store_errors_total{op="claim"}"#),
+        "{metrics}"
+    );
+}
+
+async fn store_outage_can_forward_without_dedupe(backend: Backend) {
+    let store = Arc::new(TestStore::new(backend).await);
+    let (mut outage, url) = Outage::prepare(backend, &store).await;
+    let app = TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.url = url;
+        config.store.on_unavailable = OnUnavailable::Forward;
+    })
+    .await;
+    outage.begin().await;
+    for _ in 0..2 {
+        let response = app.deliver("evt_fwd", "{}").await;
+        assert_eq!((response.status, response.outcome()), (200, "passthrough"));
+    }
+    assert_eq!(app.upstream.count(), 2);
+    assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
+    outage.end();
+}
+
+async fn graceful_shutdown_finishes_in_flight_requests_and_refuses_new_connections(
+    backend: Backend,
+) {
+    let mut app = TestApp::spawn(backend, |_| {}).await;
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_g", [Behavior::Gate(Arc::clone(&gate))]);
+    let app_addr = app.addr;
+    let client = crate::support::client();
+    let in_flight = tokio::spawn(async move {
+        let request = http::Request::post(format!("http://{app_addr}/hooks/orders"))
+            .header("x-event-id", "evt_g")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        crate::support::TestResponse::read(client.request(request).await.unwrap()).await
+    });
+    app.upstream.wait_for(1).await;
+    app.begin_shutdown();
+    let refused = async {
+        while tokio::net::TcpStream::connect(app_addr).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), refused)
+        .await
+        .expect("listener closed");
+    let task = app.take_task();
+    assert!(
+        !task.is_finished(),
+        "shutdown waits for the in-flight request"
+    );
+    gate.open();
+    let response = in_flight.await.unwrap();
+    assert_eq!((response.status, response.outcome()), (200, "forwarded"));
+    tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .expect("stopped")
+        .unwrap();
+
+    let store = Arc::clone(&app.store);
+    let after = TestApp::spawn_on(store, Upstream::start().await, |_| {}).await;
+    assert_eq!(
+        after.deliver("evt_g", "{}").await.outcome(),
+        "duplicate",
+        "the request was settled before exit"
+    );
+}
+
+async fn claims_still_open_at_the_grace_deadline_are_released(backend: Backend) {
+    let mut app = TestApp::spawn(backend, |config| {
+        config.shutdown_grace = Duration::from_millis(200)
+    })
+    .await;
+    app.upstream.script("evt_stuck", [Behavior::Hang]);
+    let app_addr = app.addr;
+    let client = crate::support::client();
+    let _stuck = tokio::spawn(async move {
+        let request = http::Request::post(format!("http://{app_addr}/hooks/orders"))
+            .header("x-event-id", "evt_stuck")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        client.request(request).await
+    });
+    app.upstream.wait_for(1).await;
+    app.shutdown().await;
+
+    // Released to `failed`: the retry is forwarded now, not after the 10s lease.
+    let store = Arc::clone(&app.store);
+    let after = TestApp::spawn_on(store, Upstream::start().await, |_| {}).await;
+    let retry = after.deliver("evt_stuck", "{}").await;
+    assert_eq!(retry.outcome(), "forwarded");
+    assert_eq!(
+        after.upstream.seen()[0].header("x-dedupe-attempt"),
+        Some("2")
+    );
+}
+
+async fn a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_not_before(
+    backend: Backend,
+) {
+    let store = Arc::new(TestStore::new(backend).await);
+    let upstream = Upstream::start().await;
+    upstream.script("evt_crash", [Behavior::Hang]);
+    let lease = Duration::from_secs(4);
+    let mut proxy = crate::cli::ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: \"{}\", timeout: 3s }}\nstore: {{ url: \"{}\", lease: 4s }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url(),
+        store.url
+    ))
+    .await;
+    proxy.wait_ready().await;
+    let addr = proxy.addr;
+    let client = crate::support::client();
+    let abandoned = tokio::spawn(async move {
+        let request = http::Request::post(format!("http://{addr}/hooks/orders"))
+            .header("x-event-id", "evt_crash")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        client.request(request).await
+    });
+    upstream.wait_for(1).await;
+    let claimed_at = std::time::Instant::now();
+    proxy.kill().await;
+    assert!(
+        abandoned.await.unwrap().is_err(),
+        "the sender saw the proxy die"
+    );
+
+    let app = TestApp::spawn_on(Arc::clone(&store), upstream.clone(), |config| {
+        config.store.lease = lease;
+    })
+    .await;
+    let early = app.deliver("evt_crash", "{}").await;
+    assert!(
+        claimed_at.elapsed() < lease,
+        "the check ran inside the lease"
+    );
+    assert_eq!(
+        (early.status, early.outcome()),
+        (409, "in-flight"),
+        "reclaimed before the lease expired"
+    );
+    assert_eq!(upstream.count(), 1);
+
+    tokio::time::sleep(lease.saturating_sub(claimed_at.elapsed()) + Duration::from_millis(300))
+        .await;
+    let late = app.deliver("evt_crash", "{}").await;
+    assert_eq!((late.status, late.outcome()), (200, "forwarded"));
+    assert_eq!(upstream.seen()[1].header("x-dedupe-attempt"), Some("2"));
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_claims_total{result="won_expired_lease",route="orders"} 1"#),
+        "{metrics}"
+    );
+}

@@ -1,0 +1,9 @@
+//! Integration tests: the real proxy in front of a real HTTP upstream, on a
+//! real PostgreSQL and a real SQLite file. Scenarios run on both stores.
+
+mod cli;
+mod delivery;
+mod lifecycle;
+mod rejections;
+mod store;
+mod support;

@@ -1,0 +1,127 @@
+//! The failure rows of SPEC section 3 that refuse a request: each answers
+//! its status with `X-Dedupe-Outcome`, forwards nothing and claims nothing.
+
+use std::sync::Arc;
+
+use crate::on_both_stores;
+use crate::support::{Backend, Behavior, Gate, TestApp};
+use dedupe_proxy::config::Unmatched;
+
+on_both_stores!(
+    missing_key_is_rejected_with_400,
+    oversized_body_is_rejected_with_413,
+    overlong_key_is_rejected_with_400,
+    non_json_body_on_a_json_route_is_rejected_with_400,
+    key_with_control_characters_is_rejected_with_400,
+    unmatched_requests_can_be_rejected_with_404,
+    requests_over_the_concurrency_limit_get_503,
+);
+
+async fn assert_nothing_forwarded(app: &TestApp) {
+    assert_eq!(
+        app.upstream.count(),
+        0,
+        "the upstream received a rejected request"
+    );
+}
+
+async fn missing_key_is_rejected_with_400(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let response = app.post("/hooks/orders", &[], "{}").await;
+    assert_eq!((response.status, response.outcome()), (400, "rejected"));
+    assert!(
+        response.body.contains("no idempotency key"),
+        "{}",
+        response.body
+    );
+    let empty = app.post("/hooks/orders", &[("x-event-id", "")], "{}").await;
+    assert_eq!(empty.status, 400);
+    let no_id = app.post("/hooks/json", &[], r#"{"type":"x"}"#).await;
+    assert_eq!(no_id.status, 400);
+    assert_nothing_forwarded(&app).await;
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics
+            .contains(r#"dedupe_requests_total{outcome="rejected_missing_key",route="orders"} 2"#),
+        "{metrics}"
+    );
+}
+
+async fn oversized_body_is_rejected_with_413(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| config.limits.max_body_bytes = 1000).await;
+    let response = app.deliver("evt_big", &"x".repeat(1001)).await;
+    assert_eq!((response.status, response.outcome()), (413, "rejected"));
+    assert_eq!(app.deliver("evt_ok", &"x".repeat(1000)).await.status, 200);
+    assert_eq!(app.upstream.count(), 1);
+    // The oversized delivery claimed nothing: the same key is new.
+    assert_eq!(app.deliver("evt_big", "small").await.outcome(), "forwarded");
+}
+
+async fn overlong_key_is_rejected_with_400(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| config.limits.max_key_bytes = 8).await;
+    let response = app.deliver("123456789", "{}").await;
+    assert_eq!((response.status, response.outcome()), (400, "rejected"));
+    assert!(response.body.contains("longer than"), "{}", response.body);
+    assert_nothing_forwarded(&app).await;
+}
+
+async fn non_json_body_on_a_json_route_is_rejected_with_400(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    for body in [
+        "id=1",
+        "",
+        "{\"id\":",
+        &format!("{}1{}", "[".repeat(200), "]".repeat(200)),
+    ] {
+        let response = app.post("/hooks/json", &[], body).await;
+        assert_eq!(
+            (response.status, response.outcome()),
+            (400, "rejected"),
+            "{body}"
+        );
+    }
+    assert_nothing_forwarded(&app).await;
+}
+
+async fn key_with_control_characters_is_rejected_with_400(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let response = app.post("/hooks/json", &[], r#"{"id":"evt\u0000"}"#).await;
+    assert_eq!((response.status, response.outcome()), (400, "rejected"));
+    assert_nothing_forwarded(&app).await;
+}
+
+async fn unmatched_requests_can_be_rejected_with_404(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| config.unmatched = Unmatched::Reject).await;
+    let response = app.post("/elsewhere", &[], "{}").await;
+    assert_eq!((response.status, response.outcome()), (404, "rejected"));
+    assert_nothing_forwarded(&app).await;
+}
+
+async fn requests_over_the_concurrency_limit_get_503(backend: Backend) {
+    let app =
+        Arc::new(TestApp::spawn(backend, |config| config.limits.max_concurrent_requests = 1).await);
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_busy", [Behavior::Gate(Arc::clone(&gate))]);
+    let busy = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.deliver("evt_busy", "{}").await }
+    });
+    app.upstream.wait_for(1).await;
+    let refused = app.deliver("evt_other", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
+    assert!(refused.header("retry-after").is_some());
+    gate.open();
+    assert_eq!(busy.await.unwrap().outcome(), "forwarded");
+    assert_eq!(app.upstream.count(), 1);
+    assert_eq!(
+        app.deliver("evt_other", "{}").await.outcome(),
+        "forwarded",
+        "nothing was claimed"
+    );
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_requests_total{outcome="overloaded",route="orders"} 1"#),
+        "{metrics}"
+    );
+}

@@ -1,0 +1,219 @@
+//! Store conformance: the same claim and settle semantics on both backends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dedupe_proxy::config::StoreConfig;
+use dedupe_proxy::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store, WonFrom};
+
+use crate::on_both_stores;
+use crate::support::{Backend, TestStore};
+
+on_both_stores!(
+    a_new_key_is_won_then_in_flight_then_done,
+    a_failed_key_is_won_again_with_the_next_attempt,
+    an_expired_lease_is_taken_over_and_the_old_owner_is_fenced_out,
+    only_one_of_many_concurrent_claims_wins,
+    a_different_body_is_reported_as_a_mismatch,
+    migration_is_idempotent,
+);
+
+async fn open(backend: Backend) -> (TestStore, Store) {
+    let test_store = TestStore::new(backend).await;
+    let config = StoreConfig {
+        url: test_store.url.clone(),
+        ..StoreConfig::default()
+    };
+    let store = Store::open(&config).expect("open store");
+    store.migrate().await.expect("migrate");
+    (test_store, store)
+}
+
+fn request(key: &str, body: &[u8], lease: Duration) -> ClaimRequest {
+    use sha2::Digest;
+    ClaimRequest {
+        source: Arc::from("src"),
+        key: key.into(),
+        payload_sha256: sha2::Sha256::digest(body).into(),
+        lease,
+    }
+}
+
+const DONE: Settlement = Settlement {
+    status: SettledStatus::Done,
+    response_status: Some(200),
+};
+const MINUTE: Duration = Duration::from_secs(60);
+
+async fn a_new_key_is_won_then_in_flight_then_done(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let claim = request("k1", b"body", MINUTE);
+    assert_eq!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Won {
+            attempt: 1,
+            from: WonFrom::New,
+            payload_mismatch: false
+        }
+    );
+    assert_eq!(
+        store.claim(&claim).await.unwrap(),
+        Claim::InFlight {
+            payload_mismatch: false
+        }
+    );
+    assert!(
+        !store.settle("src", "k1", 2, DONE).await.unwrap(),
+        "a wrong attempt is fenced out"
+    );
+    assert!(store.settle("src", "k1", 1, DONE).await.unwrap());
+    assert!(
+        !store.settle("src", "k1", 1, DONE).await.unwrap(),
+        "settled twice"
+    );
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Done {
+            payload_mismatch: false,
+            ..
+        }
+    ));
+    // Keys are namespaced by source.
+    let other_source = ClaimRequest {
+        source: Arc::from("other"),
+        ..claim
+    };
+    assert!(matches!(
+        store.claim(&other_source).await.unwrap(),
+        Claim::Won { attempt: 1, .. }
+    ));
+}
+
+async fn a_failed_key_is_won_again_with_the_next_attempt(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let claim = request("k2", b"body", MINUTE);
+    store.claim(&claim).await.unwrap();
+    assert!(
+        store
+            .settle("src", "k2", 1, Settlement::RELEASED)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Won {
+            attempt: 2,
+            from: WonFrom::Failed,
+            payload_mismatch: false
+        }
+    );
+    assert_eq!(
+        store.claim(&claim).await.unwrap(),
+        Claim::InFlight {
+            payload_mismatch: false
+        }
+    );
+}
+
+async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced_out(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let short = request("k3", b"body", Duration::from_millis(50));
+    assert!(matches!(
+        store.claim(&short).await.unwrap(),
+        Claim::Won { attempt: 1, .. }
+    ));
+    assert_eq!(
+        store.claim(&short).await.unwrap(),
+        Claim::InFlight {
+            payload_mismatch: false
+        },
+        "lease still live"
+    );
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let taken = store.claim(&request("k3", b"body", MINUTE)).await.unwrap();
+    assert_eq!(
+        taken,
+        Claim::Won {
+            attempt: 2,
+            from: WonFrom::ExpiredLease,
+            payload_mismatch: false
+        }
+    );
+    assert!(
+        !store.settle("src", "k3", 1, DONE).await.unwrap(),
+        "the expired owner cannot settle"
+    );
+    assert!(store.settle("src", "k3", 2, DONE).await.unwrap());
+}
+
+async fn only_one_of_many_concurrent_claims_wins(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let claims: Vec<_> = (0..40)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&request("k4", b"body", MINUTE)).await.unwrap() })
+        })
+        .collect();
+    let mut won = 0;
+    for claim in claims {
+        match claim.await.unwrap() {
+            Claim::Won { .. } => won += 1,
+            Claim::InFlight { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(won, 1);
+}
+
+async fn a_different_body_is_reported_as_a_mismatch(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    store.claim(&request("k5", b"first", MINUTE)).await.unwrap();
+    assert_eq!(
+        store
+            .claim(&request("k5", b"second", MINUTE))
+            .await
+            .unwrap(),
+        Claim::InFlight {
+            payload_mismatch: true
+        }
+    );
+    store
+        .settle("src", "k5", 1, Settlement::RELEASED)
+        .await
+        .unwrap();
+    // The retry with another body wins, and the stored hash stays the first one's.
+    assert_eq!(
+        store
+            .claim(&request("k5", b"second", MINUTE))
+            .await
+            .unwrap(),
+        Claim::Won {
+            attempt: 2,
+            from: WonFrom::Failed,
+            payload_mismatch: true
+        }
+    );
+    store.settle("src", "k5", 2, DONE).await.unwrap();
+    assert!(matches!(
+        store.claim(&request("k5", b"first", MINUTE)).await.unwrap(),
+        Claim::Done {
+            payload_mismatch: false,
+            ..
+        }
+    ));
+}
+
+async fn migration_is_idempotent(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    store.migrate().await.unwrap();
+    let concurrent: Vec<_> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for migration in concurrent {
+        migration.await.unwrap().unwrap();
+    }
+    store.ping().await.unwrap();
+}
