@@ -401,7 +401,10 @@ impl<'de> Deserialize<'de> for StatusMatch {
 
 impl Serialize for StatusMatch {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(self)
+        match self {
+            StatusMatch::Class(_) => serializer.collect_str(self),
+            StatusMatch::Exact(code) => serializer.serialize_u16(*code),
+        }
     }
 }
 
@@ -955,6 +958,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.store.url, "sqlite://b.db");
+    }
+
+    #[test]
+    fn the_example_configuration_is_valid() {
+        let config = parse(include_str!("../config.example.yaml")).unwrap();
+        assert!(!config.routes.is_empty());
+        // Printing and re-reading the effective configuration round-trips.
+        let printed = serde_yaml::to_string(&config.effective()).unwrap();
+        parse(&printed).unwrap();
     }
 
     #[test]

@@ -123,9 +123,9 @@ impl Proxy {
             outcome = answer.metric_outcome(),
             attempt = trace.attempt,
             upstream_status = answer.upstream_status(),
-            store_ms = trace.store_time.as_secs_f64() * 1e3,
-            upstream_ms = trace.upstream_time.map(|t| t.as_secs_f64() * 1e3),
-            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            store_ms = millis(trace.store_time),
+            upstream_ms = trace.upstream_time.map(millis),
+            total_ms = millis(started.elapsed()),
             "webhook"
         );
         answer.into_response()
@@ -470,6 +470,11 @@ impl Proxy {
             .upstream_duration(&route.name)
             .observe(took.as_secs_f64());
     }
+}
+
+/// Milliseconds with microsecond precision, for log fields.
+fn millis(duration: Duration) -> f64 {
+    (duration.as_secs_f64() * 1e6).round() / 1e3
 }
 
 fn full(body: Bytes) -> http_body_util::combinators::BoxBody<Bytes, hyper::Error> {

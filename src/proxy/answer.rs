@@ -139,7 +139,10 @@ impl Answer {
         let outcome = HeaderValue::from_static(self.header_outcome());
         let mut response = match self {
             Answer::Forwarded(response) | Answer::Passthrough(response, _) => {
-                response.map(BodyExt::boxed)
+                let mut response = response.map(BodyExt::boxed);
+                // The sender's connection has its own protocol version.
+                *response.version_mut() = http::Version::HTTP_11;
+                response
             }
             Answer::Duplicate(status) => {
                 plain(status, "duplicate", "this event was already processed")
