@@ -13,6 +13,7 @@ on_both_stores!(
     graceful_shutdown_finishes_in_flight_requests_and_refuses_new_connections,
     claims_still_open_at_the_grace_deadline_are_released,
     a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_not_before,
+    a_claim_won_too_late_to_forward_safely_is_released_with_503,
 );
 
 /// Makes the store unavailable to the proxy and back: a relay cut for
@@ -274,4 +275,56 @@ async fn a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_no
         metrics.contains(r#"dedupe_claims_total{result="won_expired_lease",route="orders"} 1"#),
         "{metrics}"
     );
+}
+
+/// Blocks claims on the table for `hold`, from another connection.
+async fn block_claims_for(backend: Backend, store: &TestStore, hold: Duration) {
+    match backend {
+        Backend::Postgres => {
+            let client = store.postgres().await;
+            client
+                .batch_execute("BEGIN; LOCK TABLE processed_events IN SHARE ROW EXCLUSIVE MODE")
+                .await
+                .unwrap();
+            tokio::spawn(async move {
+                tokio::time::sleep(hold).await;
+                client.batch_execute("COMMIT").await.unwrap();
+            });
+        }
+        Backend::Sqlite => {
+            let path = store.url.trim_start_matches("sqlite://").to_string();
+            let (locked, is_locked) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let connection = rusqlite::Connection::open(path).unwrap();
+                connection.execute_batch("BEGIN EXCLUSIVE").unwrap();
+                locked.send(()).unwrap();
+                std::thread::sleep(hold);
+                connection.execute_batch("COMMIT").unwrap();
+            });
+            is_locked.recv().unwrap();
+        }
+    }
+}
+
+async fn a_claim_won_too_late_to_forward_safely_is_released_with_503(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| {
+        config.upstream.timeout = Duration::from_secs(1);
+        config.store.lease = Duration::from_millis(1500);
+        config.store.timeout = Duration::from_secs(3);
+    })
+    .await;
+    // The claim is delayed by 700ms, leaving 800ms of lease: less than the
+    // upstream timeout, so forwarding could outlive the claim.
+    block_claims_for(backend, &app.store, Duration::from_millis(700)).await;
+    let late = app.deliver("evt_late", "{}").await;
+    assert_eq!((late.status, late.outcome()), (503, "unavailable"));
+    assert!(late.body.contains("lease"), "{}", late.body);
+    assert_eq!(app.upstream.count(), 0);
+    let retry = app.deliver("evt_late", "{}").await;
+    assert_eq!(
+        retry.outcome(),
+        "forwarded",
+        "the claim was released, not left to expire"
+    );
+    assert_eq!(app.upstream.seen()[0].header("x-dedupe-attempt"), Some("2"));
 }
