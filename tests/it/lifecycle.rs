@@ -328,3 +328,80 @@ async fn a_claim_won_too_late_to_forward_safely_is_released_with_503(backend: Ba
     );
     assert_eq!(app.upstream.seen()[0].header("x-dedupe-attempt"), Some("2"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_starts_with_the_store_down_and_serves_once_it_answers() {
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let relay = Relay::start(store.postgres_addr(), false).await;
+    let url = store.url_via(relay.addr);
+    let app = TestApp::start(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.url = url
+    })
+    .await;
+    assert_eq!(app.admin_get("/healthz").await.status, 200);
+    assert_eq!(app.admin_get("/readyz").await.status, 503);
+    let refused = app.deliver("evt_early", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
+    assert_eq!(app.upstream.count(), 0);
+
+    relay.restore();
+    app.wait_ready().await;
+    assert_eq!(app.deliver("evt_early", "{}").await.outcome(), "forwarded");
+    assert_eq!(app.deliver("evt_early", "{}").await.outcome(), "duplicate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_whose_settle_fails_is_still_returned_and_settled_later() {
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let relay = Relay::start(store.postgres_addr(), true).await;
+    let url = store.url_via(relay.addr);
+    let app = Arc::new(
+        TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+            config.store.url = url
+        })
+        .await,
+    );
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_settle", [Behavior::Gate(Arc::clone(&gate))]);
+    let delivery = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.deliver("evt_settle", "{}").await }
+    });
+    app.upstream.wait_for(1).await;
+    relay.cut().await;
+    gate.open();
+    let response = delivery.await.unwrap();
+    assert_eq!(
+        (response.status, response.outcome()),
+        (200, "forwarded"),
+        "the upstream's answer is not lost"
+    );
+
+    relay.restore();
+    let client = store.postgres().await;
+    let settled = async {
+        loop {
+            let row = client
+                .query_one(
+                    "SELECT status FROM processed_events WHERE event_id = 'evt_settle'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            if row.get::<_, String>(0) == "done" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), settled)
+        .await
+        .expect("settled in the background");
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_store_errors_total{op="settle"}"#),
+        "{metrics}"
+    );
+    assert_eq!(app.deliver("evt_settle", "{}").await.outcome(), "duplicate");
+}

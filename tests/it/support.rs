@@ -520,8 +520,19 @@ impl TestApp {
         Self::spawn_on(store, upstream, edit).await
     }
 
-    /// A proxy on an existing store and upstream.
+    /// A proxy on an existing store and upstream, ready to serve.
     pub async fn spawn_on(
+        store: Arc<TestStore>,
+        upstream: Upstream,
+        edit: impl FnOnce(&mut Config),
+    ) -> Self {
+        let app = Self::start(store, upstream, edit).await;
+        app.wait_ready().await;
+        app
+    }
+
+    /// A proxy that may not be ready yet (its store may be down).
+    pub async fn start(
         store: Arc<TestStore>,
         upstream: Upstream,
         edit: impl FnOnce(&mut Config),
@@ -537,7 +548,7 @@ impl TestApp {
         let (addr, admin) = (application.webhook_addr(), application.admin_addr());
         let stop = CancellationToken::new();
         let task = tokio::spawn(application.run_until_stopped(stop.clone()));
-        let app = Self {
+        Self {
             addr,
             admin,
             upstream,
@@ -545,11 +556,7 @@ impl TestApp {
             stop,
             task: Some(task),
             client: client(),
-        };
-        if config.store.migrate {
-            app.wait_ready().await;
         }
-        app
     }
 
     /// Waits for `/readyz` to answer 200.
