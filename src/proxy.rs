@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 
-pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, ShadowVerdict, Unavailable};
+pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, Unavailable};
 pub use open_claims::{OpenClaim, OpenClaims};
 
 use crate::config::{
@@ -48,6 +48,24 @@ struct Settings {
     on_unavailable: OnUnavailable,
     retry_after: Duration,
     unmatched: Unmatched,
+}
+
+/// What the flow decided before anything was forwarded.
+enum Decision {
+    /// Forward a won claim, then settle it.
+    Claimed(Won),
+    /// Forward without deduplication.
+    Pass(PassReason),
+    /// Answer without forwarding (in shadow mode: forward, recording this).
+    Answer(Answer),
+}
+
+/// A claim this request won.
+struct Won {
+    request: ClaimRequest,
+    attempt: i32,
+    /// Taken before the claim was sent: the lease is measured from here.
+    claimed_at: Instant,
 }
 
 /// What the per-webhook log line reports besides the outcome.
@@ -149,29 +167,59 @@ impl Proxy {
         peer: Peer,
         trace: &mut Trace,
     ) -> Answer {
-        let route = &route;
         let (parts, body) = match self.read(request).await {
             Ok(read) => read,
             Err(rejection) => return Answer::Rejected(rejection),
         };
+        let shadow = route.mode == Mode::Shadow;
+        match self.decide(&route, &parts, &body, trace).await {
+            Decision::Claimed(claim) => match self
+                .forward_detached(&route, claim, parts, body, peer, trace)
+                .await
+            {
+                Answer::Forwarded(response) if shadow => {
+                    Answer::Passthrough(response, PassReason::Shadow("forwarded"))
+                }
+                answer => answer,
+            },
+            Decision::Pass(reason) => self.pass(&route, parts, body, peer, reason).await,
+            // Shadow mode records what enforcing would answer, and forwards.
+            Decision::Answer(answer) if shadow => {
+                let reason = PassReason::Shadow(answer.metric_outcome());
+                self.pass(&route, parts, body, peer, reason).await
+            }
+            Decision::Answer(answer) => answer,
+        }
+    }
+
+    /// Everything before forwarding: key, claim, and what the claim means.
+    async fn decide(
+        &self,
+        route: &Route,
+        parts: &Parts,
+        body: &Bytes,
+        trace: &mut Trace,
+    ) -> Decision {
         let key = match route
             .key
-            .extract(&parts.headers, &body, self.settings.max_key_bytes)
+            .extract(&parts.headers, body, self.settings.max_key_bytes)
         {
             Ok(Some(key)) => key,
             Ok(None) if route.on_missing_key == OnMissingKey::Forward => {
-                return self
-                    .pass(route, parts, body, peer, None, PassReason::NotDeduplicated)
-                    .await;
+                return Decision::Pass(PassReason::NotDeduplicated);
             }
-            Ok(None) => return Answer::Rejected(Rejection::MissingKey),
-            Err(error) => return Answer::Rejected(Rejection::BadRequest(error.to_string())),
+            Ok(None) => return Decision::Answer(Answer::Rejected(Rejection::MissingKey)),
+            Err(error) => {
+                return Decision::Answer(Answer::Rejected(Rejection::BadRequest(
+                    error.to_string(),
+                )));
+            }
         };
         trace.key = Some(key.clone());
         let request = ClaimRequest {
             source: Arc::clone(&route.name),
             key,
-            payload_sha256: Sha256::digest(&body).into(),
+            payload_sha256: Sha256::digest(body).into(),
             lease: self.settings.lease,
         };
         let claimed_at = Instant::now();
@@ -185,81 +233,85 @@ impl Proxy {
             Err(error) => {
                 tracing::warn!(route = &*route.name, %error, "claim failed: store unavailable");
                 return match self.settings.on_unavailable {
-                    OnUnavailable::Reject => {
-                        Answer::Unavailable(Unavailable::Store, self.settings.retry_after)
-                    }
-                    OnUnavailable::Forward => {
-                        self.pass(route, parts, body, peer, None, PassReason::StoreUnavailable)
-                            .await
-                    }
+                    OnUnavailable::Reject => Decision::Answer(Answer::Unavailable(
+                        Unavailable::Store,
+                        self.settings.retry_after,
+                    )),
+                    OnUnavailable::Forward => Decision::Pass(PassReason::StoreUnavailable),
                 };
             }
         };
         self.count_claim(route, &claim);
-        if claim.payload_mismatch() && route.on_payload_mismatch == OnPayloadMismatch::Reject {
-            if let Claim::Won { attempt, .. } = claim {
+        let reject_mismatch = claim.payload_mismatch()
+            && route.on_payload_mismatch == OnPayloadMismatch::Reject
+            && route.mode == Mode::Enforce;
+        match claim {
+            Claim::Won { attempt, .. } if reject_mismatch => {
                 self.settle(&request, attempt, Settlement::RELEASED).await;
+                Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch))
             }
-            return Answer::Rejected(Rejection::PayloadMismatch);
-        }
-        match (claim, route.mode) {
-            (Claim::Won { attempt, .. }, mode) => {
+            _ if reject_mismatch => Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch)),
+            Claim::Won { attempt, .. } => {
                 trace.attempt = Some(attempt);
-                // Detached, so a sender that hangs up cannot cancel the upstream
-                // call between its side effect and the settle that records it.
-                let task = tokio::spawn(Arc::clone(self).forward_claimed(
-                    Arc::clone(route),
+                Decision::Claimed(Won {
                     request,
                     attempt,
                     claimed_at,
-                    parts,
-                    body,
-                    peer,
-                ));
-                let forwarded = match task.await {
-                    Ok((answer, upstream_time, settle_time)) => {
-                        trace.upstream_time = upstream_time;
-                        trace.store_time += settle_time;
-                        answer
-                    }
-                    Err(error) => Answer::UpstreamError(UpstreamError::Failed(format!(
-                        "forwarding task failed: {error}"
-                    ))),
-                };
-                match (forwarded, mode) {
-                    (Answer::Forwarded(response), Mode::Shadow) => {
-                        Answer::Passthrough(response, PassReason::Shadow(ShadowVerdict::Forward))
-                    }
-                    (answer, _) => answer,
-                }
+                })
             }
-            (Claim::Done { .. }, Mode::Enforce) => Answer::Duplicate(route.duplicate_status),
-            (Claim::InFlight { .. }, Mode::Enforce) => {
-                Answer::InFlight(route.in_flight_status, route.in_flight_retry_after)
+            Claim::Done { .. } => Decision::Answer(Answer::Duplicate(route.duplicate_status)),
+            Claim::InFlight { .. } => Decision::Answer(Answer::InFlight(
+                route.in_flight_status,
+                route.in_flight_retry_after,
+            )),
+        }
+    }
+
+    /// Runs `forward_claimed` detached, so a sender that hangs up cannot
+    /// cancel the upstream call between its side effect and the settle that
+    /// records it.
+    async fn forward_detached(
+        self: &Arc<Self>,
+        route: &Arc<Route>,
+        won: Won,
+        parts: Parts,
+        body: Bytes,
+        peer: Peer,
+        trace: &mut Trace,
+    ) -> Answer {
+        let task = tokio::spawn(Arc::clone(self).forward_claimed(
+            Arc::clone(route),
+            won,
+            parts,
+            body,
+            peer,
+        ));
+        match task.await {
+            Ok((answer, upstream_time, settle_time)) => {
+                trace.upstream_time = upstream_time;
+                trace.store_time += settle_time;
+                answer
             }
-            (lost, Mode::Shadow) => {
-                let verdict = match lost {
-                    Claim::Done { .. } => ShadowVerdict::Duplicate,
-                    _ => ShadowVerdict::InFlight,
-                };
-                self.pass(route, parts, body, peer, None, PassReason::Shadow(verdict))
-                    .await
-            }
+            Err(error) => Answer::UpstreamError(UpstreamError::Failed(format!(
+                "forwarding task failed: {error}"
+            ))),
         }
     }
 
     /// Forwards a won claim and settles it before the response goes back.
-    #[allow(clippy::too_many_arguments)]
     async fn forward_claimed(
         self: Arc<Self>,
         route: Arc<Route>,
-        claim: ClaimRequest,
-        attempt: i32,
-        claimed_at: Instant,
+        won: Won,
         parts: Parts,
         body: Bytes,
         peer: Peer,
     ) -> (Answer, Option<Duration>, Duration) {
+        let Won {
+            request: claim,
+            attempt,
+            claimed_at,
+        } = won;
         let lease_deadline = claimed_at + self.settings.lease;
         if lease_deadline.saturating_duration_since(Instant::now()) < self.settings.upstream_timeout
         {
@@ -374,11 +426,10 @@ impl Proxy {
         parts: Parts,
         body: Bytes,
         peer: Peer,
-        dedupe: Option<DedupeHeaders>,
         reason: PassReason,
     ) -> Answer {
         let sent_at = Instant::now();
-        let result = self.upstream.send(parts, full(body), peer, dedupe).await;
+        let result = self.upstream.send(parts, full(body), peer, None).await;
         self.count_upstream(route, &result, sent_at.elapsed());
         match result {
             Ok(response) => Answer::Passthrough(response, reason),

@@ -44,19 +44,8 @@ pub enum PassReason {
     NotDeduplicated,
     /// The store is down and `on_unavailable: forward`.
     StoreUnavailable,
-    /// Shadow mode: what enforcing would have done.
-    Shadow(ShadowVerdict),
-}
-
-/// What `enforce` mode would have answered a shadow-mode delivery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShadowVerdict {
-    /// Forwarded (won claim).
-    Forward,
-    /// Suppressed as a duplicate.
-    Duplicate,
-    /// Suppressed as in flight.
-    InFlight,
+    /// Shadow mode; holds the metrics outcome enforcing would have had.
+    Shadow(&'static str),
 }
 
 /// 4xx reasons.
@@ -94,11 +83,9 @@ impl Answer {
             Answer::Forwarded(_) => "forwarded",
             Answer::Passthrough(_, PassReason::NotDeduplicated) => "passthrough",
             Answer::Passthrough(_, PassReason::StoreUnavailable) => "store_unavailable",
-            Answer::Passthrough(_, PassReason::Shadow(ShadowVerdict::Forward)) => "forwarded",
-            Answer::Passthrough(_, PassReason::Shadow(ShadowVerdict::Duplicate))
-            | Answer::Duplicate(_) => "duplicate",
-            Answer::Passthrough(_, PassReason::Shadow(ShadowVerdict::InFlight))
-            | Answer::InFlight(..) => "in_flight",
+            Answer::Passthrough(_, PassReason::Shadow(enforced)) => enforced,
+            Answer::Duplicate(_) => "duplicate",
+            Answer::InFlight(..) => "in_flight",
             Answer::Rejected(Rejection::MissingKey) => "rejected_missing_key",
             Answer::Rejected(Rejection::BadRequest(_)) => "rejected_bad_request",
             Answer::Rejected(Rejection::Signature(_)) => "rejected_signature",

@@ -222,18 +222,26 @@ async fn shadow_mode_forwards_everything_but_records_claims(backend: Backend) {
     let app = TestApp::spawn(backend, |config| config.routes[0].mode = Mode::Shadow).await;
     let first = app.deliver("evt_s", "{}").await;
     let second = app.deliver("evt_s", "{}").await;
-    assert_eq!((first.status, first.outcome()), (200, "passthrough"));
-    assert_eq!((second.status, second.outcome()), (200, "passthrough"));
-    assert_eq!(app.upstream.count(), 2, "shadow mode suppresses nothing");
+    let keyless = app.post("/hooks/orders", &[], "{}").await;
+    for response in [&first, &second, &keyless] {
+        assert_eq!((response.status, response.outcome()), (200, "passthrough"));
+    }
+    assert_eq!(app.upstream.count(), 3, "shadow mode suppresses nothing");
+    assert_eq!(app.upstream.seen()[0].header("x-dedupe-attempt"), Some("1"));
+    // The metrics say what enforcing would have done.
     let metrics = app.admin_get("/metrics").await.body;
-    assert!(
-        metrics.contains(r#"dedupe_claims_total{result="lost_done",route="orders"} 1"#),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains(r#"dedupe_requests_total{outcome="duplicate",route="orders"} 1"#),
-        "{metrics}"
-    );
+    for line in [
+        r#"dedupe_claims_total{result="won_new",route="orders"} 1"#,
+        r#"dedupe_claims_total{result="lost_done",route="orders"} 1"#,
+        r#"dedupe_requests_total{outcome="forwarded",route="orders"} 1"#,
+        r#"dedupe_requests_total{outcome="duplicate",route="orders"} 1"#,
+        r#"dedupe_requests_total{outcome="rejected_missing_key",route="orders"} 1"#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} missing from\n{metrics}"
+        );
+    }
 }
 
 async fn payload_mismatch_is_counted_or_rejected(backend: Backend) {
