@@ -24,6 +24,7 @@ pub mod key;
 pub mod metrics;
 pub mod proxy;
 pub mod route;
+pub mod secret;
 pub mod server;
 pub mod store;
 pub mod telemetry;
