@@ -29,6 +29,7 @@ pub mod server;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;
+pub mod verify;
 
 pub use config::Config;
 pub use server::Application;
