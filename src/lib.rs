@@ -22,6 +22,7 @@ pub mod cli;
 pub mod config;
 pub mod key;
 pub mod metrics;
+pub mod provider;
 pub mod proxy;
 pub mod route;
 pub mod secret;
