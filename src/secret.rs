@@ -125,8 +125,9 @@ fn read_env(name: &str) -> Result<Vec<u8>, String> {
 }
 
 /// A resolved secret. Its bytes never appear in `Debug` or `Display` output,
-/// so a secret cannot leak through a log line or an error message.
-#[derive(Clone, PartialEq, Eq)]
+/// so a secret cannot leak through a log line or an error message. It has no
+/// `==`, which would not compare in constant time.
+#[derive(Clone)]
 pub struct Secret(Vec<u8>);
 
 impl Secret {
