@@ -22,12 +22,15 @@ pub mod cli;
 pub mod config;
 pub mod key;
 pub mod metrics;
+pub mod provider;
 pub mod proxy;
 pub mod route;
+pub mod secret;
 pub mod server;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;
+pub mod verify;
 
 pub use config::Config;
 pub use server::Application;
