@@ -10,6 +10,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::provider::{Handshake, Provider};
+use crate::secret::SecretRef;
+use crate::verify::{DEFAULT_TOLERANCE, SignatureConfig};
+
 /// The environment variable that, when set, replaces `store.url`.
 pub const STORE_URL_ENV: &str = "DEDUPE_STORE_URL";
 
@@ -291,9 +295,33 @@ pub struct RouteConfig {
     /// Methods the route applies to.
     #[serde(default = "default_methods")]
     pub methods: Vec<String>,
-    /// Where the idempotency key is.
+    /// Where the idempotency key is; a `provider` supplies it otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<KeyConfig>,
+    /// A provider preset (`stripe`, `github`, `standard-webhooks` or `svix`,
+    /// `shopify`, `slack`): key location, signature scheme, default retention
+    /// and handshakes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<Provider>,
+    /// Signing secrets (`{ env: NAME }`, `{ file: PATH }`, or for local
+    /// testing `{ value: … }`); a signature by any of them is accepted, so a
+    /// secret can be rotated. Without secrets, signatures are not checked.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<SecretRef>,
+    /// A custom signature scheme, for routes without a `provider`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<SignatureConfig>,
+    /// How far a signed timestamp may be from the local clock, either way.
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tolerance: Option<Duration>,
+    /// Keyless requests (such as endpoint validations) that are verified and
+    /// forwarded without a claim: `{ json: /pointer, equals: value }`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handshakes: Vec<Handshake>,
     /// `enforce` or `shadow`.
     #[serde(default)]
     pub mode: Mode,
@@ -611,19 +639,38 @@ impl Config {
             }
         }
         match &route.key {
-            None => problems.push(format!(
-                "{at}.key: required: `{{ header: NAME }}` or `{{ json: /pointer }}`"
+            None if route.provider.is_none() => problems.push(format!(
+                "{at}.key: required without a provider: `{{ header: NAME }}` or `{{ json: /pointer }}`"
             )),
+            None => {}
             Some(key) => {
                 if let Err(problem) = crate::key::KeySource::from_config(key) {
                     problems.push(format!("{at}.key: {problem}"));
                 }
             }
         }
+        match (&route.provider, &route.signature, route.secrets.is_empty()) {
+            (Some(_), Some(_), _) => problems.push(format!(
+                "{at}.signature: a provider brings its own signature scheme; remove one of them"
+            )),
+            (None, Some(_), true) => problems.push(format!(
+                "{at}.secrets: a signature scheme needs at least one secret"
+            )),
+            (None, None, false) => problems.push(format!(
+                "{at}.secrets: set a provider or a signature scheme to verify with"
+            )),
+            _ => {}
+        }
+        for (index, handshake) in route.handshakes.iter().enumerate() {
+            if let Err(problem) = handshake.validate() {
+                problems.push(format!("{at}.handshakes[{index}].{problem}"));
+            }
+        }
         if route.retention.is_some_and(|retention| retention.is_zero()) {
             problems.push(format!("{at}.retention: must be greater than zero"));
         }
         let effective = self.effective_route(route);
+        let before = problems.len();
         validate_statuses(
             at,
             effective.done_on.as_deref().unwrap_or_default(),
@@ -631,6 +678,40 @@ impl Config {
             effective.in_flight_status.unwrap_or_default(),
             problems,
         );
+        // Secrets are resolved and schemes built only for an otherwise valid
+        // route, so each problem is reported once.
+        if problems.len() > before {
+            return;
+        }
+        if let Err(route_problems) = crate::route::Route::compile(&effective) {
+            problems.extend(route_problems.into_iter().map(|p| format!("{at}.{p}")));
+        }
+    }
+
+    /// Things that work but are probably not what the operator wants.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for (index, route) in self.routes.iter().enumerate() {
+            let at = format!("routes[{index}] ({})", route.name);
+            if route.secrets.iter().any(SecretRef::is_literal) {
+                warnings.push(format!(
+                    "{at}.secrets: a literal `value` is for local testing only; use `env` or `file`"
+                ));
+            }
+            let Some(provider) = route.provider else {
+                continue;
+            };
+            if route.secrets.is_empty() {
+                warnings.push(format!(
+                    "{at}: provider {provider} without secrets: signatures are NOT verified"
+                ));
+            }
+            let retention = self.effective_route(route).retention.unwrap_or_default();
+            if let Some(warning) = provider.retention_warning(retention) {
+                warnings.push(format!("{at}.retention: {warning}"));
+            }
+        }
+        warnings
     }
 
     /// The route with every inherited field filled in from `defaults` and
@@ -638,7 +719,13 @@ impl Config {
     pub fn effective_route(&self, route: &RouteConfig) -> RouteConfig {
         let defaults = &self.defaults;
         let mut route = route.clone();
-        route.retention.get_or_insert(self.store.retention);
+        let preset_retention = route.provider.map(|provider| provider.preset().retention);
+        route.retention.get_or_insert(
+            self.store
+                .retention
+                .max(preset_retention.unwrap_or_default()),
+        );
+        route.tolerance.get_or_insert(DEFAULT_TOLERANCE);
         route
             .done_on
             .get_or_insert_with(|| defaults.done_on.clone());
@@ -958,6 +1045,103 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.store.url, "sqlite://b.db");
+    }
+
+    #[test]
+    fn provider_routes_need_no_key_and_check_their_secrets() {
+        let config = parse(
+            "routes: [{ name: gh, path: /gh, provider: github, secrets: [{ value: s3cret }] }]",
+        )
+        .unwrap();
+        let route = config.effective_route(&config.routes[0]);
+        assert_eq!(
+            route.retention,
+            Some(Duration::from_secs(8 * 86400)),
+            "the preset's retention"
+        );
+        assert_eq!(route.tolerance, Some(DEFAULT_TOLERANCE));
+        let printed = serde_yaml::to_string(&config.effective()).unwrap();
+        assert!(!printed.contains("s3cret"), "{printed}");
+
+        let missing = problems(
+            "routes: [{ name: s, path: /s, provider: stripe, secrets: [{ env: DEDUPE_TEST_UNSET_SECRET_VAR }] }]",
+        );
+        assert!(
+            missing
+                .iter()
+                .any(|p| p.starts_with("routes[0] (s).secrets[0]")
+                    && p.contains("DEDUPE_TEST_UNSET_SECRET_VAR")),
+            "{missing:?}"
+        );
+    }
+
+    #[test]
+    fn signature_schemes_and_secrets_must_fit_together() {
+        let both = problems(
+            "routes: [{ name: a, path: /a, provider: github, secrets: [{ value: x }], signature: { header: X-Sig, algorithm: hmac-sha256, encoding: hex } }]",
+        );
+        assert!(
+            both.iter().any(|p| p.contains("brings its own")),
+            "{both:?}"
+        );
+        let no_secret = problems(
+            "routes: [{ name: a, path: /a, key: { header: X-Id }, signature: { header: X-Sig, algorithm: hmac-sha256, encoding: hex } }]",
+        );
+        assert!(
+            no_secret
+                .iter()
+                .any(|p| p.contains("needs at least one secret")),
+            "{no_secret:?}"
+        );
+        let no_scheme = problems(
+            "routes: [{ name: a, path: /a, key: { header: X-Id }, secrets: [{ value: x }] }]",
+        );
+        assert!(
+            no_scheme.iter().any(|p| p.contains("to verify with")),
+            "{no_scheme:?}"
+        );
+        let bad_svix = problems(
+            "routes: [{ name: a, path: /a, provider: svix, secrets: [{ value: 'whsec_%%%' }] }]",
+        );
+        assert!(
+            bad_svix.iter().any(|p| p.contains("base64")),
+            "{bad_svix:?}"
+        );
+        assert!(matches!(
+            parse("routes: [{ name: a, path: /a, provider: paypal }]"),
+            Err(Problem::Parse(_))
+        ));
+    }
+
+    #[test]
+    fn risky_but_valid_settings_are_warnings() {
+        let config = parse(
+            "routes:
+               - { name: bare, path: /a, provider: stripe }
+               - { name: literal, path: /b, provider: github, secrets: [{ value: x }] }
+               - { name: short, path: /c, provider: stripe, secrets: [{ value: x }], retention: 1d }",
+        )
+        .unwrap();
+        let warnings = config.warnings();
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.starts_with("routes[0] (bare)") && w.contains("NOT verified")),
+            "{warnings:?}"
+        );
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.starts_with("routes[1] (literal).secrets")),
+            "{warnings:?}"
+        );
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.starts_with("routes[2] (short).retention") && w.contains("3days")),
+            "{warnings:?}"
+        );
+        assert!(parse(ROUTE).unwrap().warnings().is_empty());
     }
 
     #[test]

@@ -28,6 +28,9 @@ async fn main() -> ExitCode {
         }
     };
     telemetry::init(cli.log_format, &config.log_level);
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     let outcome = match cli.command.unwrap_or(Command::Run) {
         Command::Run => run(&config).await,
         Command::CheckConfig { connect } => check_config(&config, connect).await,
@@ -52,6 +55,7 @@ async fn run(config: &Config) -> anyhow::Result<()> {
 
 async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
     print!("{}", serde_yaml::to_string(&config.effective())?);
+    // Warnings were logged at start-up; stderr keeps stdout parseable YAML.
     if connect {
         let store = Store::open(&config.store)?;
         store.ping().await?;

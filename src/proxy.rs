@@ -7,7 +7,7 @@ mod answer;
 mod open_claims;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -25,9 +25,11 @@ use crate::config::{
 };
 use crate::key;
 use crate::metrics::Metrics;
+use crate::provider;
 use crate::route::{Route, Routes};
 use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store, WonFrom};
 use crate::upstream::{DedupeHeaders, Peer, Upstream, UpstreamError};
+use crate::verify::{self, Verified};
 
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
@@ -60,6 +62,15 @@ enum Decision {
     Answer(Answer),
 }
 
+/// A request whose route's signature policy has been applied: the only form
+/// in which a matched request can be forwarded.
+struct Checked {
+    parts: Parts,
+    body: Bytes,
+    peer: Peer,
+    _verified: Verified,
+}
+
 /// A claim this request won.
 struct Won {
     request: ClaimRequest,
@@ -79,9 +90,9 @@ struct Trace {
 
 impl Proxy {
     /// Builds the proxy from validated configuration.
-    pub fn new(config: &Config, store: Store, metrics: Metrics) -> Self {
-        Self {
-            routes: Routes::compile(config),
+    pub fn new(config: &Config, store: Store, metrics: Metrics) -> Result<Self, String> {
+        Ok(Self {
+            routes: Routes::compile(config)?,
             store,
             upstream: Upstream::new(&config.upstream),
             metrics,
@@ -96,7 +107,7 @@ impl Proxy {
                 retry_after: config.store.retry_after,
                 unmatched: config.unmatched,
             },
-        }
+        })
     }
 
     /// The claims won and not yet settled.
@@ -171,22 +182,35 @@ impl Proxy {
             Ok(read) => read,
             Err(rejection) => return Answer::Rejected(rejection),
         };
+        // Nothing in the request is trusted before this, in any mode.
+        let now = SystemTime::now();
+        let verified =
+            match verify::verify_route(route.verifier.as_ref(), &parts.headers, &body, now) {
+                Ok(verified) => verified,
+                Err(error) => return Answer::Rejected(Rejection::Signature(error.to_string())),
+            };
+        let decision = self.decide(&route, &parts, &body, trace).await;
+        let request = Checked {
+            parts,
+            body,
+            peer,
+            _verified: verified,
+        };
         let shadow = route.mode == Mode::Shadow;
-        match self.decide(&route, &parts, &body, trace).await {
-            Decision::Claimed(claim) => match self
-                .forward_detached(&route, claim, parts, body, peer, trace)
-                .await
-            {
-                Answer::Forwarded(response) if shadow => {
-                    Answer::Passthrough(response, PassReason::Shadow("forwarded"))
+        match decision {
+            Decision::Claimed(claim) => {
+                match self.forward_detached(&route, claim, request, trace).await {
+                    Answer::Forwarded(response) if shadow => {
+                        Answer::Passthrough(response, PassReason::Shadow("forwarded"))
+                    }
+                    answer => answer,
                 }
-                answer => answer,
-            },
-            Decision::Pass(reason) => self.pass(&route, parts, body, peer, reason).await,
+            }
+            Decision::Pass(reason) => self.pass(&route, request, reason).await,
             // Shadow mode records what enforcing would answer, and forwards.
             Decision::Answer(answer) if shadow => {
                 let reason = PassReason::Shadow(answer.metric_outcome());
-                self.pass(&route, parts, body, peer, reason).await
+                self.pass(&route, request, reason).await
             }
             Decision::Answer(answer) => answer,
         }
@@ -200,6 +224,9 @@ impl Proxy {
         body: &Bytes,
         trace: &mut Trace,
     ) -> Decision {
+        if provider::is_handshake(&route.handshakes, body) {
+            return Decision::Pass(PassReason::NotDeduplicated);
+        }
         let key = match route
             .key
             .extract(&parts.headers, body, self.settings.max_key_bytes)
@@ -274,18 +301,10 @@ impl Proxy {
         self: &Arc<Self>,
         route: &Arc<Route>,
         won: Won,
-        parts: Parts,
-        body: Bytes,
-        peer: Peer,
+        request: Checked,
         trace: &mut Trace,
     ) -> Answer {
-        let task = tokio::spawn(Arc::clone(self).forward_claimed(
-            Arc::clone(route),
-            won,
-            parts,
-            body,
-            peer,
-        ));
+        let task = tokio::spawn(Arc::clone(self).forward_claimed(Arc::clone(route), won, request));
         match task.await {
             Ok((answer, upstream_time, settle_time)) => {
                 trace.upstream_time = upstream_time;
@@ -303,9 +322,7 @@ impl Proxy {
         self: Arc<Self>,
         route: Arc<Route>,
         won: Won,
-        parts: Parts,
-        body: Bytes,
-        peer: Peer,
+        request: Checked,
     ) -> (Answer, Option<Duration>, Duration) {
         let Won {
             request: claim,
@@ -335,7 +352,12 @@ impl Proxy {
         let sent_at = Instant::now();
         let result = self
             .upstream
-            .send(parts, full(body), peer, Some(dedupe))
+            .send(
+                request.parts,
+                full(request.body),
+                request.peer,
+                Some(dedupe),
+            )
             .await;
         let upstream_time = sent_at.elapsed();
         self.count_upstream(&route, &result, upstream_time);
@@ -420,16 +442,12 @@ impl Proxy {
         });
     }
 
-    async fn pass(
-        &self,
-        route: &Route,
-        parts: Parts,
-        body: Bytes,
-        peer: Peer,
-        reason: PassReason,
-    ) -> Answer {
+    async fn pass(&self, route: &Route, request: Checked, reason: PassReason) -> Answer {
         let sent_at = Instant::now();
-        let result = self.upstream.send(parts, full(body), peer, None).await;
+        let result = self
+            .upstream
+            .send(request.parts, full(request.body), request.peer, None)
+            .await;
         self.count_upstream(route, &result, sent_at.elapsed());
         match result {
             Ok(response) => Answer::Passthrough(response, reason),

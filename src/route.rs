@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use http::{Method, StatusCode};
 
-use crate::config::{Config, Mode, OnMissingKey, OnPayloadMismatch, StatusMatch};
+use crate::config::{Config, Mode, OnMissingKey, OnPayloadMismatch, RouteConfig, StatusMatch};
 use crate::key::KeySource;
+use crate::provider::Handshake;
+use crate::verify::{BodyHmac, Scheme, Verifier};
 
 /// One webhook endpoint, validated.
 #[derive(Debug)]
@@ -19,6 +21,10 @@ pub struct Route {
     methods: Vec<Method>,
     /// Where the key is.
     pub key: KeySource,
+    /// The signature check, when the route has secrets.
+    pub verifier: Option<Verifier>,
+    /// Keyless requests forwarded without a claim once verified.
+    pub handshakes: Vec<Handshake>,
     /// `enforce` or `shadow`.
     pub mode: Mode,
     /// Statuses that settle `done`.
@@ -55,6 +61,32 @@ impl PathMatch {
 }
 
 impl Route {
+    /// Builds a route from its effective configuration (see
+    /// `Config::effective_route`), resolving its secrets. Problems are
+    /// returned one per line, each starting with the field it concerns.
+    pub fn compile(route: &RouteConfig) -> Result<Route, Vec<String>> {
+        let preset = route.provider.map(|provider| provider.preset());
+        let key = match (&route.key, &preset) {
+            (Some(key), _) => KeySource::from_config(key).map_err(|p| vec![format!("key: {p}")])?,
+            (None, Some(preset)) => preset.key.clone(),
+            (None, None) => return Err(vec!["key: required without a provider".into()]),
+        };
+        let scheme = match (&route.signature, &preset) {
+            (Some(signature), _) => Some(Scheme::Body(
+                BodyHmac::from_config(signature).map_err(|p| vec![format!("signature: {p}")])?,
+            )),
+            (None, Some(preset)) => Some(preset.scheme.clone()),
+            (None, None) => None,
+        };
+        let verifier = match scheme {
+            Some(scheme) if !route.secrets.is_empty() => Some(verifier(route, scheme)?),
+            _ => None,
+        };
+        let mut handshakes = preset.map(|preset| preset.handshakes).unwrap_or_default();
+        handshakes.extend(route.handshakes.iter().cloned());
+        Ok(compile_route(route, key, verifier, handshakes))
+    }
+
     /// Whether this route's settle status for an upstream answer is `done`.
     pub fn is_done(&self, status: StatusCode) -> bool {
         self.done_on.iter().any(|m| m.matches(status.as_u16()))
@@ -68,21 +100,22 @@ pub struct Routes {
 }
 
 impl Routes {
-    /// Compiles validated configuration. Panics only if `Config::validate`
-    /// was skipped.
-    pub fn compile(config: &Config) -> Self {
-        let mut routes: Vec<Route> = config
-            .routes
-            .iter()
-            .map(|route| compile_route(&config.effective_route(route)))
-            .collect();
+    /// Compiles validated configuration; fails only if a secret became
+    /// unreadable since validation.
+    pub fn compile(config: &Config) -> Result<Self, String> {
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for route in &config.routes {
+            let compiled = Route::compile(&config.effective_route(route))
+                .map_err(|problems| format!("route {}: {}", route.name, problems.join("; ")))?;
+            routes.push(compiled);
+        }
         routes.sort_by_key(|route| match &route.path {
             PathMatch::Exact(_) => (0, 0),
             PathMatch::Prefix(prefix) => (1, usize::MAX - prefix.len()),
         });
-        Self {
+        Ok(Self {
             routes: routes.into_iter().map(Arc::new).collect(),
-        }
+        })
     }
 
     /// The route for a request, if any.
@@ -98,7 +131,28 @@ impl Routes {
     }
 }
 
-fn compile_route(route: &crate::config::RouteConfig) -> Route {
+fn verifier(route: &RouteConfig, scheme: Scheme) -> Result<Verifier, Vec<String>> {
+    let mut problems = Vec::new();
+    let mut secrets = Vec::with_capacity(route.secrets.len());
+    for (index, secret) in route.secrets.iter().enumerate() {
+        match secret.resolve() {
+            Ok(secret) => secrets.push(secret),
+            Err(problem) => problems.push(format!("secrets[{index}]: {problem}")),
+        }
+    }
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    let tolerance = route.tolerance.unwrap_or(crate::verify::DEFAULT_TOLERANCE);
+    Verifier::new(scheme, secrets, tolerance).map_err(|problem| vec![format!("secrets: {problem}")])
+}
+
+fn compile_route(
+    route: &RouteConfig,
+    key: KeySource,
+    verifier: Option<Verifier>,
+    handshakes: Vec<Handshake>,
+) -> Route {
     let status = |code: Option<u16>| {
         StatusCode::from_u16(code.expect("filled by effective_route")).expect("validated status")
     };
@@ -115,7 +169,9 @@ fn compile_route(route: &crate::config::RouteConfig) -> Route {
             .iter()
             .map(|m| Method::from_bytes(m.to_ascii_uppercase().as_bytes()).expect("validated"))
             .collect(),
-        key: KeySource::from_config(route.key.as_ref().expect("validated")).expect("validated"),
+        key,
+        verifier,
+        handshakes,
         mode: route.mode,
         done_on: route.done_on.clone().unwrap_or_default(),
         duplicate_status: status(route.duplicate_status),
@@ -132,7 +188,7 @@ mod tests {
     use super::*;
 
     fn routes(yaml: &str) -> Routes {
-        Routes::compile(&Config::from_yaml(yaml, None).unwrap())
+        Routes::compile(&Config::from_yaml(yaml, None).unwrap()).unwrap()
     }
 
     #[test]

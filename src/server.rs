@@ -36,6 +36,9 @@ pub enum StartError {
     /// The store could not be opened (SQLite file, bad URL).
     #[error("cannot open the store: {0}")]
     Store(#[from] StoreError),
+    /// A route could not be built (a secret became unreadable).
+    #[error("{0}")]
+    Route(String),
 }
 
 /// A bound, not yet running proxy.
@@ -66,7 +69,7 @@ impl Application {
             schema_ready: Arc::new(AtomicBool::new(!config.store.migrate)),
         });
         Ok(Self {
-            proxy: Arc::new(Proxy::new(config, store, metrics)),
+            proxy: Arc::new(Proxy::new(config, store, metrics).map_err(StartError::Route)?),
             admin,
             webhook_listener,
             admin_listener,

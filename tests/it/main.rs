@@ -5,5 +5,6 @@ mod cli;
 mod delivery;
 mod lifecycle;
 mod rejections;
+mod signatures;
 mod store;
 mod support;
