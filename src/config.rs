@@ -511,6 +511,7 @@ impl Config {
     /// Every cross-field and value problem, each naming its field.
     pub fn validate(&self) -> Vec<String> {
         let mut problems = Vec::new();
+        self.validate_files(&mut problems);
         let mut check = |ok: bool, message: String| {
             if !ok {
                 problems.push(message);
@@ -609,6 +610,25 @@ impl Config {
             self.validate_route(&at, route, &mut problems);
         }
         problems
+    }
+
+    /// TLS material named by the configuration must load.
+    fn validate_files(&self, problems: &mut Vec<String>) {
+        if let Some(tls) = &self.tls {
+            crate::tls::install_crypto_provider();
+            if let Err(error) = crate::tls::CertificateReloader::load(&tls.cert_file, &tls.key_file)
+            {
+                problems.push(format!("tls: {error}"));
+            }
+        }
+        if let Some(Err(error)) = self
+            .upstream
+            .ca_file
+            .as_deref()
+            .map(|ca_file| crate::tls::root_store(Some(ca_file)))
+        {
+            problems.push(format!("upstream.ca_file: {error}"));
+        }
     }
 
     fn validate_route(&self, at: &str, route: &RouteConfig, problems: &mut Vec<String>) {
@@ -1142,6 +1162,25 @@ mod tests {
             "{warnings:?}"
         );
         assert!(parse(ROUTE).unwrap().warnings().is_empty());
+    }
+
+    #[test]
+    fn tls_files_must_load() {
+        let problems = problems(
+            "tls: { cert_file: /nonexistent/tls.crt, key_file: /nonexistent/tls.key }\nupstream: { url: 'https://app:443', ca_file: /nonexistent/ca.pem }",
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("tls: /nonexistent/tls.crt")),
+            "{problems:?}"
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("upstream.ca_file: /nonexistent/ca.pem")),
+            "{problems:?}"
+        );
     }
 
     #[test]

@@ -29,6 +29,7 @@ pub mod secret;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod upstream;
 pub mod verify;
 

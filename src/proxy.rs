@@ -94,7 +94,8 @@ impl Proxy {
         Ok(Self {
             routes: Routes::compile(config)?,
             store,
-            upstream: Upstream::new(&config.upstream),
+            upstream: Upstream::new(&config.upstream)
+                .map_err(|error| format!("upstream: {error}"))?,
             metrics,
             open_claims: Arc::default(),
             concurrency: Semaphore::new(config.limits.max_concurrent_requests),

@@ -20,7 +20,13 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{Store, StoreError};
+use crate::tls::{CertificateReloader, TlsError};
 use crate::upstream::Peer;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_rustls::TlsAcceptor;
+
+/// How long a client may take to complete the TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +45,9 @@ pub enum StartError {
     /// A route could not be built (a secret became unreadable).
     #[error("{0}")]
     Route(String),
+    /// The TLS certificate or key could not be loaded.
+    #[error("tls: {0}")]
+    Tls(#[from] TlsError),
 }
 
 /// A bound, not yet running proxy.
@@ -47,6 +56,7 @@ pub struct Application {
     admin: Arc<Admin>,
     webhook_listener: TcpListener,
     admin_listener: TcpListener,
+    tls: Option<Arc<CertificateReloader>>,
     migrate: bool,
     shutdown_grace: Duration,
 }
@@ -54,6 +64,11 @@ pub struct Application {
 impl Application {
     /// Opens the store and binds both listeners (port 0 picks a free port).
     pub async fn build(config: &Config) -> Result<Self, StartError> {
+        crate::tls::install_crypto_provider();
+        let tls = match &config.tls {
+            Some(tls) => Some(CertificateReloader::load(&tls.cert_file, &tls.key_file)?),
+            None => None,
+        };
         let store = Store::open(&config.store)?;
         let metrics = Metrics::new();
         let bind = |addr: SocketAddr| async move {
@@ -73,6 +88,7 @@ impl Application {
             admin,
             webhook_listener,
             admin_listener,
+            tls,
             migrate: config.store.migrate,
             shutdown_grace: config.shutdown_grace,
         })
@@ -105,8 +121,13 @@ impl Application {
         let admin = Arc::clone(&self.admin);
         let admin_stop = stop.clone();
         let admin_task = tokio::spawn(serve_admin(self.admin_listener, admin, admin_stop));
+        let tls = self.tls.map(|reloader| {
+            tokio::spawn(reload_on_sighup(Arc::clone(&reloader), stop.clone()));
+            TlsAcceptor::from(reloader.server_config())
+        });
         serve_webhooks(
             self.webhook_listener,
+            tls,
             Arc::clone(&self.proxy),
             stop,
             self.shutdown_grace,
@@ -132,12 +153,13 @@ impl Application {
 
 async fn serve_webhooks(
     listener: TcpListener,
+    tls: Option<TlsAcceptor>,
     proxy: Arc<Proxy>,
     stop: CancellationToken,
     grace: Duration,
 ) {
     let graceful = GracefulShutdown::new();
-    let builder = connection_builder();
+    let builder = Arc::new(connection_builder());
     loop {
         let (stream, addr) = tokio::select! {
             () = stop.cancelled() => break,
@@ -150,15 +172,34 @@ async fn serve_webhooks(
             },
         };
         let proxy = Arc::clone(&proxy);
-        let peer = Peer { addr, tls: false };
+        let peer = Peer {
+            addr,
+            tls: tls.is_some(),
+        };
         let service = service_fn(move |request| {
             let proxy = Arc::clone(&proxy);
             async move { Ok::<_, std::convert::Infallible>(proxy.handle(request, peer).await) }
         });
-        let connection = builder.serve_connection(io(stream), service).into_owned();
-        let connection = graceful.watch(connection);
+        let (builder, watcher, tls) = (Arc::clone(&builder), graceful.watcher(), tls.clone());
+        let _ = stream.set_nodelay(true);
         tokio::spawn(async move {
-            if let Err(error) = connection.await {
+            let served = match tls {
+                None => {
+                    let connection = builder.serve_connection(TokioIo::new(stream), service);
+                    watcher.watch(connection.into_owned()).await
+                }
+                Some(acceptor) => {
+                    let handshake =
+                        tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                    let Ok(Ok(stream)) = handshake.await else {
+                        tracing::debug!(%addr, "TLS handshake failed or timed out");
+                        return;
+                    };
+                    let connection = builder.serve_connection(TokioIo::new(stream), service);
+                    watcher.watch(connection.into_owned()).await
+                }
+            };
+            if let Err(error) = served {
                 tracing::debug!(%error, "webhook connection ended with an error");
             }
         });
@@ -208,6 +249,24 @@ fn connection_builder() -> auto::Builder<TokioExecutor> {
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30));
     builder
+}
+
+/// Re-reads the certificate and key on SIGHUP; a bad pair is logged and the
+/// previous one kept.
+async fn reload_on_sighup(reloader: Arc<CertificateReloader>, stop: CancellationToken) {
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP; TLS certificates will not be reloaded");
+        return;
+    };
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = hangups.recv() => match reloader.reload() {
+                Ok(()) => tracing::info!("SIGHUP: TLS certificate reloaded"),
+                Err(error) => tracing::error!(%error, "SIGHUP: TLS certificate not reloaded; keeping the previous one"),
+            },
+        }
+    }
 }
 
 fn io(stream: TcpStream) -> TokioIo<TcpStream> {

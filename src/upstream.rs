@@ -17,6 +17,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::config::UpstreamConfig;
+use crate::tls::{self, TlsError};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 
 /// Why the upstream gave no response.
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +39,7 @@ pub type RequestBody = BoxBody<Bytes, hyper::Error>;
 
 /// The pooled client and where it sends requests.
 pub struct Upstream {
-    client: Client<HttpConnector, RequestBody>,
+    client: Client<HttpsConnector<HttpConnector>, RequestBody>,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
     base_path: String,
@@ -73,22 +75,37 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 ];
 
 impl Upstream {
-    /// A client for `config.url` (validated by the configuration).
-    pub fn new(config: &UpstreamConfig) -> Self {
+    /// A client for `config.url` (validated by the configuration). An
+    /// `https://` upstream is verified against `ca_file` or the system roots.
+    pub fn new(config: &UpstreamConfig) -> Result<Self, TlsError> {
         let url: Uri = config.url.parse().expect("validated upstream.url");
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        let tls = if url.scheme() == Some(&http::uri::Scheme::HTTPS) {
+            tls::client_config(config.ca_file.as_deref())?
+        } else {
+            // Never used for http:// upstreams; no roots needed.
+            rustls::ClientConfig::builder()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth()
+        };
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
-        Self {
+        Ok(Self {
             client,
             scheme: url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP),
             authority: url.authority().cloned().expect("validated: url has a host"),
             base_path: url.path().trim_end_matches('/').to_owned(),
             timeout: config.timeout,
-        }
+        })
     }
 
     /// Sends the request and waits for the response headers; the body is
@@ -282,10 +299,12 @@ mod tests {
 
     #[test]
     fn target_keeps_the_base_path_and_query() {
+        tls::install_crypto_provider();
         let upstream = Upstream::new(&UpstreamConfig {
             url: "http://app:3000/base/".into(),
             ..Default::default()
-        });
+        })
+        .unwrap();
         assert_eq!(
             upstream
                 .target(&"/hooks/a?x=1".parse().unwrap())

@@ -15,6 +15,7 @@ pub struct ProxyProcess {
     pub addr: std::net::SocketAddr,
     pub admin: std::net::SocketAddr,
     child: Child,
+    logs: tokio::sync::watch::Sender<Vec<String>>,
     _dir: tempfile::TempDir,
 }
 
@@ -48,12 +49,19 @@ impl ProxyProcess {
             .await
             .expect("serving line");
         // Keep draining stderr so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let logs = tokio::sync::watch::Sender::new(Vec::new());
+        let collected = logs.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                collected.send_modify(|lines| lines.push(line));
+            }
+        });
         let addr = |field: &str| event[field].as_str().unwrap().parse().unwrap();
         Self {
             addr: addr("listen"),
             admin: addr("admin_listen"),
             child,
+            logs,
             _dir: dir,
         }
     }
@@ -84,12 +92,27 @@ impl ProxyProcess {
     }
 
     pub fn terminate(&self) {
-        let pid = self.child.id().expect("running") as i32;
+        self.signal("TERM");
+    }
+
+    /// Sends a signal by name (`TERM`, `HUP`, …).
+    pub fn signal(&self, name: &str) {
+        let pid = self.child.id().expect("running");
         let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
+            .args([format!("-{name}"), pid.to_string()])
             .status()
             .unwrap();
         assert!(status.success());
+    }
+
+    /// Waits for a log line containing `text`.
+    pub async fn wait_for_log(&self, text: &str) {
+        let mut logs = self.logs.subscribe();
+        let seen = logs.wait_for(|lines| lines.iter().any(|line| line.contains(text)));
+        tokio::time::timeout(Duration::from_secs(10), seen)
+            .await
+            .expect("log line")
+            .unwrap();
     }
 
     pub async fn wait(&mut self) -> std::process::ExitStatus {

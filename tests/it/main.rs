@@ -8,3 +8,4 @@ mod rejections;
 mod signatures;
 mod store;
 mod support;
+mod tls;

@@ -295,8 +295,20 @@ impl Upstream {
         Self::serve(listener)
     }
 
+    /// An upstream speaking HTTPS with the given certificate.
+    pub async fn start_tls(config: Arc<rustls::ServerConfig>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
+        Self::serve_with(listener, Some(tokio_rustls::TlsAcceptor::from(config)))
+    }
+
     /// Serves on an existing listener (to restart on the same port).
     pub fn serve(listener: TcpListener) -> Self {
+        Self::serve_with(listener, None)
+    }
+
+    fn serve_with(listener: TcpListener, tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
         let addr = listener.local_addr().expect("addr");
         let state = Arc::new(UpstreamState::default());
         let stop = CancellationToken::new();
@@ -309,11 +321,25 @@ impl Upstream {
                 };
                 let state = Arc::clone(&task_state);
                 let stop = task_stop.clone();
+                let tls = tls.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |request| respond(Arc::clone(&state), request));
-                    let connection = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service);
-                    tokio::select! { _ = connection => {}, () = stop.cancelled() => {} }
+                    let builder = hyper::server::conn::http1::Builder::new();
+                    match tls {
+                        None => {
+                            let connection =
+                                builder.serve_connection(TokioIo::new(stream), service);
+                            tokio::select! { _ = connection => {}, () = stop.cancelled() => {} }
+                        }
+                        Some(acceptor) => {
+                            let Ok(stream) = acceptor.accept(stream).await else {
+                                return;
+                            };
+                            let connection =
+                                builder.serve_connection(TokioIo::new(stream), service);
+                            tokio::select! { _ = connection => {}, () = stop.cancelled() => {} }
+                        }
+                    }
                 });
             }
         });

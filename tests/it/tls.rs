@@ -1,0 +1,248 @@
+//! TLS: inbound termination with SIGHUP reload, and `https://` upstreams.
+//! Certificates are made at test time; no private key is checked in.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+use crate::cli::ProxyProcess;
+use crate::support::{Backend, TestApp, TestStore, Upstream};
+
+/// A throwaway certificate authority.
+pub struct TestPki {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// A certificate and key in PEM, and the certificate's DER.
+pub struct Leaf {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub der: CertificateDer<'static>,
+}
+
+impl TestPki {
+    pub fn new() -> Self {
+        dedupe_proxy::tls::install_crypto_provider();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        Self { issuer }
+    }
+
+    pub fn ca_pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    pub fn leaf(&self, name: &str) -> Leaf {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![name.to_string()])
+            .unwrap()
+            .signed_by(&key, &self.issuer)
+            .unwrap();
+        Leaf {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            der: cert.der().clone(),
+        }
+    }
+
+    pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.issuer.der().clone()).unwrap();
+        Arc::new(
+            rustls::ClientConfig::builder()
+                .with_root_certificates(roots)
+                .with_no_client_auth(),
+        )
+    }
+}
+
+/// An HTTP/1.1 connection over TLS, and the certificate the server showed.
+struct TlsClient {
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    server_certificate: CertificateDer<'static>,
+}
+
+impl TlsClient {
+    async fn connect(pki: &TestPki, addr: std::net::SocketAddr) -> Self {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let stream = TlsConnector::from(pki.client_config())
+            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .expect("TLS handshake");
+        let server_certificate = stream.get_ref().1.peer_certificates().unwrap()[0].clone();
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        Self {
+            sender,
+            server_certificate,
+        }
+    }
+
+    async fn deliver(&mut self, key: &str) -> (u16, String, String) {
+        let request = http::Request::post("/hooks/orders")
+            .header("host", "localhost")
+            .header("x-event-id", key)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let response = self.sender.send_request(request).await.expect("response");
+        let status = response.status().as_u16();
+        let outcome = response.headers()["x-dedupe-outcome"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let body =
+            String::from_utf8_lossy(&response.into_body().collect().await.unwrap().to_bytes())
+                .into_owned();
+        (status, outcome, body)
+    }
+}
+
+fn write(dir: &std::path::Path, name: &str, content: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, content).unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbound_tls_is_terminated_and_marked_https_upstream() {
+    let pki = TestPki::new();
+    let leaf = pki.leaf("localhost");
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (
+        write(dir.path(), "tls.crt", &leaf.cert_pem),
+        write(dir.path(), "tls.key", &leaf.key_pem),
+    );
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.tls = Some(dedupe_proxy::config::TlsConfig {
+            cert_file: cert.into(),
+            key_file: key.into(),
+        });
+    })
+    .await;
+    let mut client = TlsClient::connect(&pki, app.addr).await;
+    assert_eq!(client.server_certificate, leaf.der);
+    let (status, outcome, _) = client.deliver("evt_tls").await;
+    assert_eq!((status, outcome.as_str()), (200, "forwarded"));
+    assert_eq!(client.deliver("evt_tls").await.1, "duplicate");
+    assert_eq!(
+        app.upstream.seen()[0].header("x-forwarded-proto"),
+        Some("https")
+    );
+    // Plain HTTP on the TLS port gets no answer.
+    let plain = tokio::time::timeout(
+        Duration::from_secs(15),
+        crate::support::client().get(format!("http://{}/", app.addr).parse().unwrap()),
+    )
+    .await;
+    assert!(
+        matches!(plain, Ok(Err(_))),
+        "plain HTTP must not be served on a TLS listener"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_certificate_without_dropping_connections() {
+    let pki = TestPki::new();
+    let (first, second) = (pki.leaf("localhost"), pki.leaf("localhost"));
+    let dir = tempfile::tempdir().unwrap();
+    let cert = write(dir.path(), "tls.crt", &first.cert_pem);
+    let key = write(dir.path(), "tls.key", &first.key_pem);
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let proxy = ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\ntls: {{ cert_file: '{cert}', key_file: '{key}' }}\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url(),
+        store.url
+    ))
+    .await;
+    proxy.wait_ready().await;
+    let mut old_connection = TlsClient::connect(&pki, proxy.addr).await;
+    assert_eq!(old_connection.server_certificate, first.der);
+    assert_eq!(old_connection.deliver("evt_1").await.1, "forwarded");
+
+    write(dir.path(), "tls.crt", &second.cert_pem);
+    write(dir.path(), "tls.key", &second.key_pem);
+    proxy.signal("HUP");
+    let reloaded = async {
+        loop {
+            if TlsClient::connect(&pki, proxy.addr)
+                .await
+                .server_certificate
+                == second.der
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), reloaded)
+        .await
+        .expect("new certificate served");
+    assert_eq!(
+        old_connection.deliver("evt_2").await.1,
+        "forwarded",
+        "the open connection survived the reload"
+    );
+
+    // A broken pair is refused and the current one kept.
+    write(dir.path(), "tls.key", "not a key");
+    proxy.signal("HUP");
+    proxy.wait_for_log("TLS certificate not reloaded").await;
+    let mut after = TlsClient::connect(&pki, proxy.addr).await;
+    assert_eq!(after.server_certificate, second.der);
+    assert_eq!(after.deliver("evt_3").await.1, "forwarded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_upstreams_are_verified_against_the_configured_ca() {
+    let pki = TestPki::new();
+    let leaf = pki.leaf("localhost");
+    let dir = tempfile::tempdir().unwrap();
+    let ca = write(dir.path(), "ca.pem", &pki.ca_pem());
+    let server_config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf.der.clone()], {
+            use rustls::pki_types::pem::PemObject;
+            rustls::pki_types::PrivateKeyDer::from_pem_slice(leaf.key_pem.as_bytes()).unwrap()
+        })
+        .unwrap();
+    let upstream = Upstream::start_tls(Arc::new(server_config)).await;
+    let port = upstream.addr.port();
+    let store = Arc::new(TestStore::new(Backend::Sqlite).await);
+    let app = TestApp::spawn_on(Arc::clone(&store), upstream.clone(), |config| {
+        config.upstream.url = format!("https://localhost:{port}");
+        config.upstream.ca_file = Some(ca.clone().into());
+    })
+    .await;
+    let response = app.deliver("evt_https", "{}").await;
+    assert_eq!(
+        (response.status, response.outcome()),
+        (200, "forwarded"),
+        "{}",
+        response.body
+    );
+    assert_eq!(upstream.count(), 1);
+    drop(app);
+
+    // Without the CA the upstream's certificate is not trusted: 502, and the
+    // key is settled failed so the retry goes through once trust is fixed.
+    let untrusting = TestApp::spawn_on(Arc::clone(&store), upstream.clone(), |config| {
+        config.upstream.url = format!("https://localhost:{port}");
+        config.upstream.ca_file =
+            Some(write(dir.path(), "other-ca.pem", &TestPki::new().ca_pem()).into());
+    })
+    .await;
+    let refused = untrusting.deliver("evt_untrusted", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (502, "upstream-error"));
+    assert_eq!(upstream.count(), 1);
+}
