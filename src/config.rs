@@ -185,6 +185,14 @@ pub struct Limits {
     /// Requests handled at once; more get 503.
     #[serde(default = "default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
+    /// Longest time a client may take to send its request headers; slower
+    /// connections are closed (slowloris protection).
+    #[serde(default = "default_read_timeout", with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// Longest time a client may take to send a matched request's body;
+    /// slower requests get 408.
+    #[serde(default = "default_read_timeout", with = "humantime_serde")]
+    pub body_read_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -193,6 +201,8 @@ impl Default for Limits {
             max_body_bytes: default_max_body_bytes(),
             max_key_bytes: default_max_key_bytes(),
             max_concurrent_requests: default_max_concurrent_requests(),
+            header_read_timeout: default_read_timeout(),
+            body_read_timeout: default_read_timeout(),
         }
     }
 }
@@ -567,6 +577,11 @@ impl Config {
             ),
         );
         for (field, value) in [
+            (
+                "limits.header_read_timeout",
+                self.limits.header_read_timeout,
+            ),
+            ("limits.body_read_timeout", self.limits.body_read_timeout),
             ("store.retention", self.store.retention),
             ("store.prune_interval", self.store.prune_interval),
             ("store.timeout", self.store.timeout),
@@ -882,6 +897,9 @@ fn default_max_key_bytes() -> usize {
 }
 fn default_max_concurrent_requests() -> usize {
     1024
+}
+fn default_read_timeout() -> Duration {
+    Duration::from_secs(30)
 }
 fn default_shutdown_grace() -> Duration {
     Duration::from_secs(25)

@@ -45,6 +45,7 @@ pub struct Proxy {
 struct Settings {
     max_body_bytes: usize,
     max_key_bytes: usize,
+    body_read_timeout: Duration,
     lease: Duration,
     upstream_timeout: Duration,
     on_unavailable: OnUnavailable,
@@ -102,6 +103,7 @@ impl Proxy {
             settings: Settings {
                 max_body_bytes: config.limits.max_body_bytes,
                 max_key_bytes: config.limits.max_key_bytes,
+                body_read_timeout: config.limits.body_read_timeout,
                 lease: config.store.lease,
                 upstream_timeout: config.upstream.timeout,
                 on_unavailable: config.store.on_unavailable,
@@ -133,6 +135,9 @@ impl Proxy {
         let route = self.routes.find(request.method(), request.uri().path());
         let route_name = route.map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let answer = match self.concurrency.try_acquire() {
+            _ if is_ambiguously_framed(request.headers()) => Answer::Rejected(
+                Rejection::BadRequest("ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length".into()),
+            ),
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
             Ok(_permit) => match route {
                 Some(route) => {
@@ -467,7 +472,12 @@ impl Proxy {
             return Err(Rejection::TooLarge(limit));
         }
         let (parts, body) = request.into_parts();
-        match Limited::new(body, limit).collect().await {
+        let collect = Limited::new(body, limit).collect();
+        let Ok(collected) = tokio::time::timeout(self.settings.body_read_timeout, collect).await
+        else {
+            return Err(Rejection::Timeout);
+        };
+        match collected {
             Ok(collected) => Ok((parts, collected.to_bytes())),
             Err(error) if error.is::<http_body_util::LengthLimitError>() => {
                 Err(Rejection::TooLarge(limit))
@@ -539,6 +549,21 @@ impl Proxy {
         self.metrics
             .upstream_duration(&route.name)
             .observe(took.as_secs_f64());
+    }
+}
+
+/// Whether the request's framing could be read two ways by two servers (the
+/// request-smuggling pattern): both `Content-Length` and `Transfer-Encoding`,
+/// or a transfer coding other than one `chunked`.
+fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
+    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter();
+    match (codings.next(), codings.next()) {
+        (None, _) => false,
+        (Some(coding), None) => {
+            headers.contains_key(header::CONTENT_LENGTH)
+                || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
+        }
+        (Some(_), Some(_)) => true,
     }
 }
 

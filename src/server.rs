@@ -25,6 +25,11 @@ use crate::upstream::Peer;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_rustls::TlsAcceptor;
 
+/// Header fields per request; more get 431.
+const MAX_HEADERS: usize = 100;
+/// HTTP/2 header block size; HTTP/1 is bounded by hyper's read buffer.
+const MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
+
 /// How long a client may take to complete the TLS handshake.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -59,6 +64,7 @@ pub struct Application {
     tls: Option<Arc<CertificateReloader>>,
     migrate: bool,
     shutdown_grace: Duration,
+    header_read_timeout: Duration,
 }
 
 impl Application {
@@ -91,6 +97,7 @@ impl Application {
             tls,
             migrate: config.store.migrate,
             shutdown_grace: config.shutdown_grace,
+            header_read_timeout: config.limits.header_read_timeout,
         })
     }
 
@@ -131,6 +138,7 @@ impl Application {
             Arc::clone(&self.proxy),
             stop,
             self.shutdown_grace,
+            self.header_read_timeout,
         )
         .await;
         let open = self.proxy.open_claims().len();
@@ -157,9 +165,10 @@ async fn serve_webhooks(
     proxy: Arc<Proxy>,
     stop: CancellationToken,
     grace: Duration,
+    header_read_timeout: Duration,
 ) {
     let graceful = GracefulShutdown::new();
-    let builder = Arc::new(connection_builder());
+    let builder = Arc::new(connection_builder(header_read_timeout));
     loop {
         let (stream, addr) = tokio::select! {
             () = stop.cancelled() => break,
@@ -217,7 +226,7 @@ async fn serve_webhooks(
 }
 
 async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {
-    let builder = connection_builder();
+    let builder = connection_builder(Duration::from_secs(30));
     loop {
         let stream = tokio::select! {
             () = stop.cancelled() => return,
@@ -242,12 +251,17 @@ async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: Cancellatio
     }
 }
 
-fn connection_builder() -> auto::Builder<TokioExecutor> {
+fn connection_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30));
+        .header_read_timeout(header_read_timeout)
+        .max_headers(MAX_HEADERS);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(MAX_HEADER_LIST_BYTES);
     builder
 }
 

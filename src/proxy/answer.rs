@@ -59,6 +59,8 @@ pub enum Rejection {
     Signature(String),
     /// 404: no route and `unmatched: reject`.
     NoRoute,
+    /// 408: the body did not arrive within `limits.body_read_timeout`.
+    Timeout,
     /// 413: body over `limits.max_body_bytes`.
     TooLarge(usize),
     /// 422: key reused with another body and `on_payload_mismatch: reject`.
@@ -87,7 +89,9 @@ impl Answer {
             Answer::Duplicate(_) => "duplicate",
             Answer::InFlight(..) => "in_flight",
             Answer::Rejected(Rejection::MissingKey) => "rejected_missing_key",
-            Answer::Rejected(Rejection::BadRequest(_)) => "rejected_bad_request",
+            Answer::Rejected(Rejection::BadRequest(_) | Rejection::Timeout) => {
+                "rejected_bad_request"
+            }
             Answer::Rejected(Rejection::Signature(_)) => "rejected_signature",
             Answer::Rejected(Rejection::NoRoute) => "rejected_unmatched",
             Answer::Rejected(Rejection::TooLarge(_)) => "rejected_too_large",
@@ -186,6 +190,10 @@ impl Rejection {
             ),
             Rejection::BadRequest(detail) => (StatusCode::BAD_REQUEST, detail.clone()),
             Rejection::Signature(detail) => (StatusCode::UNAUTHORIZED, detail.clone()),
+            Rejection::Timeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive in time".into(),
+            ),
             Rejection::NoRoute => (
                 StatusCode::NOT_FOUND,
                 "no webhook route matches this request".into(),

@@ -3,6 +3,7 @@
 
 mod cli;
 mod delivery;
+mod hostile;
 mod lifecycle;
 mod rejections;
 mod signatures;

@@ -1,0 +1,150 @@
+//! Hostile and malformed input: each gets a clear 4xx, nothing is forwarded,
+//! and the proxy stays healthy.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::support::{Backend, TestApp};
+
+/// Sends raw bytes and returns the status line of the answer (or why none).
+async fn raw(app: &TestApp, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buffer = [0u8; 4096];
+        loop {
+            match stream.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buffer[..n]);
+                    if answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    read.await.expect("an answer or a close");
+    String::from_utf8_lossy(&answer)
+        .lines()
+        .next()
+        .unwrap_or("<closed>")
+        .to_string()
+}
+
+async fn assert_healthy_and_untouched(app: &TestApp) {
+    assert_eq!(
+        app.upstream.count(),
+        0,
+        "hostile input reached the upstream"
+    );
+    assert_eq!(app.admin_get("/healthz").await.status, 200);
+    assert_eq!(app.deliver("evt_after", "{}").await.outcome(), "forwarded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_smuggling_patterns_are_refused() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let attempts: [&[u8]; 4] = [
+        b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: s2\r\nContent-Length: 4\r\nContent-Length: 5\r\n\r\nabcd",
+        b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: s3\r\nTransfer-Encoding: gzip\r\n\r\nabcd",
+        b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: s4\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
+        b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n0\r\n\r\n",
+    ];
+    for attempt in attempts {
+        let status = raw(&app, attempt).await;
+        assert!(
+            status.starts_with("HTTP/1.1 400"),
+            "{status} for {}",
+            String::from_utf8_lossy(attempt)
+        );
+    }
+    assert_healthy_and_untouched(&app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_length_with_chunked_cannot_smuggle_a_second_request() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    // A front end honouring Content-Length would see one request; one honouring
+    // Transfer-Encoding sees a second, smuggled one after the empty chunk.
+    let smuggled = "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: smuggled\r\nContent-Length: 2\r\n\r\n{}";
+    let request = format!(
+        "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: front\r\nContent-Length: {}\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n{smuggled}",
+        5 + smuggled.len()
+    );
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    // RFC 9112 section 6.1: Transfer-Encoding wins, Content-Length is dropped
+    // and the connection is closed after the answer, so the rest is never read
+    // as a request.
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .expect("closed")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer}");
+    let seen = app.upstream.seen();
+    assert_eq!(seen.len(), 1, "a smuggled request reached the upstream");
+    assert_eq!(seen[0].header("x-dedupe-key"), Some("front"));
+    assert!(seen[0].body.is_empty(), "the body ends at the empty chunk");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_too_many_headers_are_refused() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let many: String = (0..150).map(|i| format!("X-H{i}: v\r\n")).collect();
+    let status = raw(&app, format!("POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: h1\r\n{many}Content-Length: 0\r\n\r\n").as_bytes()).await;
+    assert!(status.starts_with("HTTP/1.1 431"), "{status}");
+    let big = "a".repeat(512 * 1024);
+    let status = raw(&app, format!("POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: h2\r\nX-Big: {big}\r\nContent-Length: 0\r\n\r\n").as_bytes()).await;
+    assert!(status.starts_with("HTTP/1.1 431"), "{status}");
+    let status = raw(&app, b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: a\x01b\r\nContent-Length: 0\r\n\r\n").await;
+    assert!(status.starts_with("HTTP/1.1 400"), "{status}");
+    assert_healthy_and_untouched(&app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_that_are_not_text_are_refused() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let status = raw(&app, b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: a\xffb\r\nContent-Length: 2\r\n\r\n{}").await;
+    assert!(status.starts_with("HTTP/1.1 400"), "{status}");
+    let nested = format!(
+        r#"{{"id":"x","deep":{}1{}}}"#,
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let response = app.post("/hooks/json", &[], &nested).await;
+    assert_eq!((response.status, response.outcome()), (400, "rejected"));
+    assert_healthy_and_untouched(&app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_senders_are_cut_off() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.limits.header_read_timeout = Duration::from_millis(300);
+        config.limits.body_read_timeout = Duration::from_millis(300);
+    })
+    .await;
+    // Headers that never finish: the connection is closed.
+    let mut slow_headers = TcpStream::connect(app.addr).await.unwrap();
+    slow_headers
+        .write_all(b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut buffer = [0u8; 1024];
+    let closed = tokio::time::timeout(Duration::from_secs(10), slow_headers.read(&mut buffer))
+        .await
+        .expect("closed");
+    assert!(
+        matches!(closed, Ok(0) | Err(_))
+            || String::from_utf8_lossy(&buffer).starts_with("HTTP/1.1 408")
+    );
+    // A body that never finishes: 408.
+    let status = raw(&app, b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: slow\r\nContent-Length: 100\r\n\r\n{\"partial\":").await;
+    assert!(status.starts_with("HTTP/1.1 408"), "{status}");
+    assert_healthy_and_untouched(&app).await;
+}
