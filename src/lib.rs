@@ -3,14 +3,16 @@
 //! A webhook takes one path through the code:
 //!
 //! ```text
-//! server -> route -> key -> store.claim -> upstream -> store.settle -> answer
+//! server -> route -> verify -> key -> store.claim -> upstream -> store.settle -> answer
 //! ```
 //!
-//! - [`server`] accepts connections and owns start-up and shutdown;
+//! - [`server`] accepts connections (plain or [`tls`]) and owns start-up and
+//!   shutdown;
 //! - [`proxy`] runs the flow above for each request and maps every ending to
 //!   one HTTP answer;
-//! - [`route`] matches a request to a configured route; [`key`] extracts its
-//!   idempotency key;
+//! - [`route`] matches a request to a configured route; [`verify`] checks its
+//!   signature with the route's [`secret`]s; [`key`] extracts its idempotency
+//!   key; [`provider`] presets supply both for known senders;
 //! - [`store`] decides ownership of a key with one atomic statement and
 //!   records the outcome, on PostgreSQL or SQLite;
 //! - [`upstream`] forwards to the application;
