@@ -239,8 +239,8 @@ impl StoreUrl {
     /// Recognises the two schemes; `sqlite://relative.db`, `sqlite:///abs.db`.
     pub fn parse(url: &str) -> Result<Self, String> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            return url
-                .parse::<tokio_postgres::Config>()
+            crate::tls::install_crypto_provider();
+            return crate::tls::postgres_config(url)
                 .map(|_| StoreUrl::Postgres(url.to_owned()))
                 .map_err(|error| format!("not a valid PostgreSQL URL: {error}"));
         }

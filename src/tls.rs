@@ -3,6 +3,10 @@
 //! upstreams. Owns reading PEM files and root stores; does not accept
 //! connections (the server does).
 
+mod postgres;
+
+pub use postgres::postgres_config;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{NoTls, Row};
 
 use super::{Backend, Claim, ClaimRequest, Settlement, StoreError, WonFrom};
 use crate::config::StoreConfig;
@@ -86,7 +86,8 @@ impl Statements {
 impl PostgresStore {
     /// A pool for `url`; connections are made on first use.
     pub fn new(url: &str, config: &StoreConfig) -> Result<Self, StoreError> {
-        let mut pg_config: tokio_postgres::Config = url.parse().map_err(postgres_error)?;
+        let (mut pg_config, tls) =
+            crate::tls::postgres_config(url).map_err(StoreError::Postgres)?;
         if pg_config.get_connect_timeout().is_none() {
             pg_config.connect_timeout(config.timeout);
         }
@@ -95,7 +96,7 @@ impl PostgresStore {
         }
         let manager = Manager::from_config(
             pg_config,
-            NoTls,
+            tls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },

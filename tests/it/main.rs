@@ -5,6 +5,7 @@ mod cli;
 mod delivery;
 mod hostile;
 mod lifecycle;
+mod postgres_tls;
 mod rejections;
 mod signatures;
 mod store;
