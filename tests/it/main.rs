@@ -4,6 +4,7 @@
 mod cli;
 mod delivery;
 mod lifecycle;
+mod prometheus;
 mod rejections;
 mod store;
 mod support;
