@@ -6,6 +6,7 @@ mod delivery;
 mod hostile;
 mod lifecycle;
 mod postgres_tls;
+mod prometheus;
 mod rejections;
 mod signatures;
 mod store;

@@ -1,0 +1,145 @@
+{{/* Chart name, overridable. */}}
+{{- define "dedupe-proxy.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: the release name, with the chart name unless it already holds it. */}}
+{{- define "dedupe-proxy.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The full name with a suffix, still a valid DNS label. */}}
+{{- define "dedupe-proxy.suffixed" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (include "dedupe-proxy.fullname" $root | trunc (int (sub 62 (len (index . 1)))) | trimSuffix "-") (index . 1) -}}
+{{- end -}}
+
+{{- define "dedupe-proxy.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "dedupe-proxy.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dedupe-proxy.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dedupe-proxy.labels" -}}
+helm.sh/chart: {{ include "dedupe-proxy.chart" . }}
+{{ include "dedupe-proxy.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: {{ include "dedupe-proxy.name" . }}
+{{- end -}}
+
+{{- define "dedupe-proxy.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "dedupe-proxy.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dedupe-proxy.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Where the proxy forwards: the application in the same pod, or a Service. */}}
+{{- define "dedupe-proxy.upstreamUrl" -}}
+{{- if eq .Values.mode "sidecar" -}}
+{{- printf "http://127.0.0.1:%d" (int .Values.sidecar.appPort) -}}
+{{- else -}}
+{{- required "gateway.upstreamUrl is required in gateway mode" .Values.gateway.upstreamUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the store is the embedded SQLite file (no PostgreSQL Secret). */}}
+{{- define "dedupe-proxy.sqlite" -}}
+{{- $url := (.Values.config.store | default dict).url | default "sqlite://dedupe.db" -}}
+{{- if and (not .Values.storeUrlSecret.name) (hasPrefix "sqlite:" $url) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The configuration file: config from values, with the listeners and the
+upstream set by the chart.
+*/}}
+{{- define "dedupe-proxy.config" -}}
+{{- $config := deepCopy .Values.config -}}
+{{- $upstream := deepCopy ($config.upstream | default dict) -}}
+{{- $_ := set $upstream "url" (include "dedupe-proxy.upstreamUrl" .) -}}
+{{- $_ := set $config "upstream" $upstream -}}
+{{- $_ := set $config "listen" (printf "0.0.0.0:%d" (int .Values.ports.webhook)) -}}
+{{- $_ := set $config "admin_listen" (printf "0.0.0.0:%d" (int .Values.ports.admin)) -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/*
+Whole seconds (rounded up) of a duration written as the proxy reads it with
+the units ms, s, m and h, e.g. 25s or 1m30s.
+*/}}
+{{- define "dedupe-proxy.seconds" -}}
+{{- $text := . | toString | nospace -}}
+{{- if not (regexMatch "^([0-9]+(ms|s|m|h))+$" $text) -}}
+{{- fail (printf "config.shutdown_grace %q: write it with ms, s, m or h (e.g. 25s, 1m30s) so the chart can derive terminationGracePeriodSeconds" $text) -}}
+{{- end -}}
+{{- $ms := 0 -}}
+{{- range regexFindAll "[0-9]+(ms|s|m|h)" $text -1 -}}
+{{- $n := regexFind "^[0-9]+" . -}}
+{{- $unit := trimPrefix $n . -}}
+{{- $factor := get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit -}}
+{{- $ms = add $ms (mul (int $n) $factor) -}}
+{{- end -}}
+{{- div (add $ms 999) 1000 -}}
+{{- end -}}
+
+{{- define "dedupe-proxy.preStopSleep" -}}
+{{- if semverCompare ">=1.30-0" .Capabilities.KubeVersion.Version -}}
+{{- int .Values.preStopSleepSeconds -}}
+{{- else -}}0{{- end -}}
+{{- end -}}
+
+{{/* preStop delay + shutdown_grace + margin, so SIGKILL never cuts the drain short. */}}
+{{- define "dedupe-proxy.terminationGracePeriodSeconds" -}}
+{{- $grace := include "dedupe-proxy.seconds" (.Values.config.shutdown_grace | default "25s") | int -}}
+{{- add (include "dedupe-proxy.preStopSleep" . | int) $grace (int .Values.terminationGraceExtraSeconds) -}}
+{{- end -}}
+
+{{/* Checks across values that the schema cannot express. */}}
+{{- define "dedupe-proxy.validate" -}}
+{{- if and (include "dedupe-proxy.sqlite" .) (gt (int .Values.replicaCount) 1) -}}
+{{- fail "replicaCount > 1 needs the PostgreSQL store (storeUrlSecret): each pod's SQLite file would only see its own deliveries" -}}
+{{- end -}}
+{{- if and .Values.persistence.enabled (not (include "dedupe-proxy.sqlite" .)) -}}
+{{- fail "persistence is for the SQLite store; with storeUrlSecret set, disable it" -}}
+{{- end -}}
+{{- if eq .Values.mode "sidecar" -}}
+{{- if not .Values.sidecar.containers -}}
+{{- fail "sidecar mode needs the application's containers in sidecar.containers" -}}
+{{- end -}}
+{{- range .Values.sidecar.containers -}}
+{{- if eq .name "dedupe-proxy" -}}
+{{- fail "sidecar.containers: the name dedupe-proxy is taken by the proxy's container" -}}
+{{- end -}}
+{{- end -}}
+{{- $appPort := int .Values.sidecar.appPort -}}
+{{- if or (eq $appPort (int .Values.ports.webhook)) (eq $appPort (int .Values.ports.admin)) -}}
+{{- fail "sidecar.appPort must differ from ports.webhook and ports.admin: the containers share the pod's network" -}}
+{{- end -}}
+{{- end -}}
+{{- if eq (int .Values.ports.webhook) (int .Values.ports.admin) -}}
+{{- fail "ports.webhook and ports.admin must differ" -}}
+{{- end -}}
+{{- with .Values.podDisruptionBudget -}}
+{{- if and .enabled (kindIs "invalid" .minAvailable) (kindIs "invalid" .maxUnavailable) -}}
+{{- fail "podDisruptionBudget: set maxUnavailable or minAvailable" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
