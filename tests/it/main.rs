@@ -3,7 +3,9 @@
 
 mod cli;
 mod delivery;
+mod exposition;
 mod lifecycle;
+mod metrics;
 mod rejections;
 mod store;
 mod support;
