@@ -14,6 +14,8 @@
 //! - [`store`] decides ownership of a key with one atomic statement and
 //!   records the outcome, on PostgreSQL or SQLite;
 //! - [`upstream`] forwards to the application;
+//! - [`prune`] deletes keys past their retention, in the background and for
+//!   the `prune` command;
 //! - [`config`], [`cli`], [`metrics`], [`admin`] and [`telemetry`] are the
 //!   operator's interfaces.
 
@@ -23,6 +25,7 @@ pub mod config;
 pub mod key;
 pub mod metrics;
 pub mod proxy;
+pub mod prune;
 pub mod route;
 pub mod server;
 pub mod store;

@@ -6,6 +6,8 @@ mod delivery;
 mod exposition;
 mod lifecycle;
 mod metrics;
+mod prune;
 mod rejections;
+mod rows;
 mod store;
 mod support;
