@@ -100,13 +100,16 @@ impl ProxyProcess {
     }
 }
 
-struct Output {
-    code: i32,
-    stdout: String,
-    stderr: String,
+/// What a finished run of the binary printed.
+pub struct Output {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
 }
 
-fn run(args: &[&str], config: Option<&str>, env: &[(&str, &str)]) -> Output {
+/// Runs the binary to completion, with `config` written to a file and
+/// passed as `--config`.
+pub fn run(args: &[&str], config: Option<&str>, env: &[(&str, &str)]) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let mut command = std::process::Command::new(BINARY);
     command

@@ -4,6 +4,7 @@
 mod cli;
 mod delivery;
 mod exposition;
+mod keys;
 mod lifecycle;
 mod metrics;
 mod prune;
