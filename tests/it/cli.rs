@@ -1,6 +1,7 @@
 //! The binary: subcommands, exit codes, configuration errors, signals.
 
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -15,26 +16,35 @@ pub struct ProxyProcess {
     pub addr: std::net::SocketAddr,
     pub admin: std::net::SocketAddr,
     child: Child,
+    logs: Arc<Mutex<Vec<String>>>,
+    drain: Option<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
 
 impl ProxyProcess {
     /// Starts the binary and waits for its "serving" log line.
     pub async fn start(config: &str) -> Self {
+        Self::start_with_log_filter(config, "info").await
+    }
+
+    /// Starts the binary with `RUST_LOG=filter`, keeping every stderr line.
+    pub async fn start_with_log_filter(config: &str, filter: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).unwrap();
         let mut child = Command::new(BINARY)
             .args(["run", "--log-format", "json", "--config"])
             .arg(&path)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", filter)
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .expect("start the binary");
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let logs = Arc::new(Mutex::new(Vec::new()));
         let serving = async {
             while let Some(line) = lines.next_line().await.unwrap() {
+                logs.lock().unwrap().push(line.clone());
                 let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
                     continue;
                 };
@@ -48,14 +58,33 @@ impl ProxyProcess {
             .await
             .expect("serving line");
         // Keep draining stderr so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let kept = Arc::clone(&logs);
+        let drain = tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                kept.lock().unwrap().push(line);
+            }
+        });
         let addr = |field: &str| event[field].as_str().unwrap().parse().unwrap();
         Self {
             addr: addr("listen"),
             admin: addr("admin_listen"),
             child,
+            logs,
+            drain: Some(drain),
             _dir: dir,
         }
+    }
+
+    /// Every line the process wrote to stderr, once it has exited.
+    pub async fn all_log_lines(&mut self) -> Vec<String> {
+        self.wait().await;
+        if let Some(drain) = self.drain.take() {
+            tokio::time::timeout(Duration::from_secs(10), drain)
+                .await
+                .expect("stderr closes when the process exits")
+                .unwrap();
+        }
+        self.logs.lock().unwrap().clone()
     }
 
     pub async fn wait_ready(&self) {

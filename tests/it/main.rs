@@ -6,6 +6,7 @@ mod delivery;
 mod exposition;
 mod keys;
 mod lifecycle;
+mod logs;
 mod metrics;
 mod prune;
 mod rejections;
