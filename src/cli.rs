@@ -1,10 +1,15 @@
 //! The command line of SPEC section 6. `--config` and `--log-format` are
-//! global, so they may stand before or after the subcommand.
+//! global, so they may stand before or after the subcommand. The operator's
+//! commands on stored keys are implemented in [`keys`].
+
+pub mod keys;
 
 use std::path::PathBuf;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 
+use crate::store::KeyStatus;
 use crate::telemetry::LogFormat;
 
 /// A reverse proxy that makes webhook endpoints idempotent.
@@ -42,4 +47,89 @@ pub enum Command {
     },
     /// Create or upgrade the store's schema, then exit.
     Migrate,
+    /// Inspect or change stored keys.
+    Keys {
+        /// What to do with them.
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+    /// Delete keys past their route's retention once, then exit.
+    Prune {
+        /// Delete keys first delivered longer ago than this (e.g. `72h`),
+        /// whatever their route's retention.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        older_than: Option<Duration>,
+    },
+}
+
+/// The `keys` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// List keys, newest first delivery first.
+    List {
+        /// Only this route's keys.
+        #[arg(long, value_name = "SOURCE")]
+        source: Option<String>,
+        /// Only keys in this state.
+        #[arg(long, value_enum)]
+        status: Option<StatusArg>,
+        /// At most this many keys.
+        #[arg(long, value_name = "N", default_value_t = 100,
+              value_parser = clap::value_parser!(u32).range(1..))]
+        limit: u32,
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one key: status, attempts, times, response.
+    Show {
+        /// The route name.
+        source: String,
+        /// The idempotency key.
+        key: String,
+        /// Print a JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a key: its next delivery is processed again.
+    Forget {
+        /// The route name.
+        source: String,
+        /// The idempotency key.
+        key: String,
+    },
+    /// Turn a `processing` key into `failed`: its next delivery is forwarded
+    /// now rather than when the lease expires.
+    Release {
+        /// The route name.
+        source: String,
+        /// The idempotency key.
+        key: String,
+    },
+}
+
+/// The values of `keys list --status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StatusArg {
+    /// Held by a delivery in flight (or abandoned, until its lease expires).
+    Processing,
+    /// Processed: duplicates are answered by the proxy.
+    Done,
+    /// The last attempt failed: the next delivery is forwarded.
+    Failed,
+}
+
+impl From<StatusArg> for KeyStatus {
+    fn from(status: StatusArg) -> Self {
+        match status {
+            StatusArg::Processing => KeyStatus::Processing,
+            StatusArg::Done => KeyStatus::Done,
+            StatusArg::Failed => KeyStatus::Failed,
+        }
+    }
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text)
+        .map_err(|error| format!("{error} (write durations like 30m, 72h or 7d)"))
 }

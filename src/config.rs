@@ -118,7 +118,9 @@ pub struct StoreConfig {
     /// How long keys are kept after their first delivery (routes may override).
     #[serde(default = "default_retention", with = "humantime_serde")]
     pub retention: Duration,
-    /// How often the pruner looks for expired keys.
+    /// How often each replica deletes keys past their retention, starting
+    /// one interval after start-up. On PostgreSQL a replica that finds
+    /// another one pruning skips its turn.
     #[serde(default = "default_prune_interval", with = "humantime_serde")]
     pub prune_interval: Duration,
     /// Maximum connections to PostgreSQL.

@@ -16,6 +16,8 @@
 //! - [`store`] decides ownership of a key with one atomic statement and
 //!   records the outcome, on PostgreSQL or SQLite;
 //! - [`upstream`] forwards to the application;
+//! - [`prune`] deletes keys past their retention, in the background and for
+//!   the `prune` command;
 //! - [`config`], [`cli`], [`metrics`], [`admin`] and [`telemetry`] are the
 //!   operator's interfaces.
 
@@ -26,6 +28,7 @@ pub mod key;
 pub mod metrics;
 pub mod provider;
 pub mod proxy;
+pub mod prune;
 pub mod route;
 pub mod secret;
 pub mod server;

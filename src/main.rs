@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use dedupe_proxy::cli::{Cli, Command};
+use dedupe_proxy::cli::{Cli, Command, keys};
 use dedupe_proxy::store::Store;
 use dedupe_proxy::{Application, Config, telemetry};
 use tokio_util::sync::CancellationToken;
@@ -35,6 +35,8 @@ async fn main() -> ExitCode {
         Command::Run => run(&config).await,
         Command::CheckConfig { connect } => check_config(&config, connect).await,
         Command::Migrate => migrate(&config).await,
+        Command::Keys { command } => keys::keys(&config, command).await,
+        Command::Prune { older_than } => keys::prune(&config, older_than).await,
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,7 +1,7 @@
 //! Listeners and lifecycle: binds the webhook and admin ports, runs the
-//! start-up migration in the background until the store answers, serves
-//! connections, and drains them on shutdown within the grace period before
-//! settling the claims still open.
+//! start-up migration in the background until the store answers, runs the
+//! background pruner, serves connections, and drains them on shutdown within
+//! the grace period before settling the claims still open.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,6 +19,7 @@ use crate::admin::Admin;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
+use crate::prune::{PrunePlan, Pruner};
 use crate::store::{Store, StoreError};
 use crate::tls::{CertificateReloader, TlsError};
 use crate::upstream::Peer;
@@ -62,6 +63,8 @@ pub struct Application {
     webhook_listener: TcpListener,
     admin_listener: TcpListener,
     tls: Option<Arc<CertificateReloader>>,
+    pruner: Pruner,
+    prune_interval: Duration,
     migrate: bool,
     shutdown_grace: Duration,
     header_read_timeout: Duration,
@@ -89,12 +92,15 @@ impl Application {
             store: store.clone(),
             schema_ready: Arc::new(AtomicBool::new(!config.store.migrate)),
         });
+        let pruner = Pruner::new(store.clone(), PrunePlan::new(config, None), metrics.clone());
         Ok(Self {
             proxy: Arc::new(Proxy::new(config, store, metrics).map_err(StartError::Route)?),
             admin,
             webhook_listener,
             admin_listener,
             tls,
+            pruner,
+            prune_interval: config.store.prune_interval,
             migrate: config.store.migrate,
             shutdown_grace: config.shutdown_grace,
             header_read_timeout: config.limits.header_read_timeout,
@@ -125,6 +131,7 @@ impl Application {
                 stop.clone(),
             ));
         }
+        let pruner_task = tokio::spawn(self.pruner.run(self.prune_interval, stop.clone()));
         let admin = Arc::clone(&self.admin);
         let admin_stop = stop.clone();
         let admin_task = tokio::spawn(serve_admin(self.admin_listener, admin, admin_stop));
@@ -155,6 +162,7 @@ impl Application {
             );
         }
         let _ = admin_task.await;
+        let _ = pruner_task.await;
         tracing::info!("dedupe-proxy stopped");
     }
 }

@@ -2,7 +2,10 @@
 //! choice between PostgreSQL and the embedded SQLite store by URL. Both
 //! backends keep the same table and the same semantics; the atomic decision
 //! (who owns a key) is always one `INSERT … ON CONFLICT … RETURNING`.
+//! The operator's operations (list, show, forget, release, prune) are part of
+//! the same trait, with their types in [`keys`].
 
+mod keys;
 mod postgres;
 mod sqlite;
 
@@ -12,6 +15,7 @@ use std::time::Duration;
 
 use crate::config::StoreConfig;
 
+pub use keys::{KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources};
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 
@@ -129,6 +133,9 @@ pub enum StoreError {
     /// SQLite failed.
     #[error("sqlite: {0}")]
     Sqlite(String),
+    /// The claims table does not exist: the schema was never created.
+    #[error("the claims table does not exist (`dedupe-proxy migrate` creates it)")]
+    MissingTable,
 }
 
 /// The operations a backend provides. Every call is one short transaction;
@@ -153,6 +160,39 @@ pub trait Backend: Send + Sync + 'static {
         attempt: i32,
         settlement: Settlement,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// The keys matching `filter`, newest first delivery first.
+    fn list(
+        &self,
+        filter: &KeyFilter,
+    ) -> impl Future<Output = Result<Vec<KeyRecord>, StoreError>> + Send;
+    /// One key, if stored.
+    fn show(
+        &self,
+        source: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
+    /// Deletes a key, whatever its state; returns whether it existed.
+    fn forget(
+        &self,
+        source: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Turns a `processing` key into `failed`, so the next delivery is
+    /// forwarded without waiting for the lease to expire.
+    fn release(
+        &self,
+        source: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Release, StoreError>> + Send;
+    /// Deletes at most `limit` of the group's rows whose first delivery is
+    /// past the horizon, oldest first, in one short transaction. A
+    /// `processing` row whose lease is live is never deleted. Busy when
+    /// another process holds the table's prune lock.
+    fn prune(
+        &self,
+        group: &PruneGroup,
+        limit: u32,
+    ) -> impl Future<Output = Result<PruneBatch, StoreError>> + Send;
 }
 
 /// The configured backend, with `store.timeout` applied to every call.
@@ -185,9 +225,21 @@ impl Store {
     /// Opens the store named by `config.url`. PostgreSQL connects lazily, so
     /// this succeeds while the server is down; SQLite opens its file now.
     pub fn open(config: &StoreConfig) -> Result<Self, StoreError> {
+        Self::open_with(config, true)
+    }
+
+    /// Like [`Store::open`], but never creates an SQLite file: for commands
+    /// that inspect a store and must not conjure up an empty one.
+    pub fn open_existing(config: &StoreConfig) -> Result<Self, StoreError> {
+        Self::open_with(config, false)
+    }
+
+    fn open_with(config: &StoreConfig, create: bool) -> Result<Self, StoreError> {
         let backend = match StoreUrl::parse(&config.url).map_err(StoreError::Postgres)? {
             StoreUrl::Postgres(url) => AnyBackend::Postgres(PostgresStore::new(&url, config)?),
-            StoreUrl::Sqlite(path) => AnyBackend::Sqlite(SqliteStore::open(&path, config)?),
+            StoreUrl::Sqlite(path) => {
+                AnyBackend::Sqlite(SqliteStore::open_with(&path, config, create)?)
+            }
         };
         Ok(Self {
             backend: Arc::new(backend),
@@ -223,6 +275,31 @@ impl Store {
         settlement: Settlement,
     ) -> Result<bool, StoreError> {
         dispatch!(self, backend => backend.settle(source, key, attempt, settlement))
+    }
+
+    /// See [`Backend::list`].
+    pub async fn list(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        dispatch!(self, backend => backend.list(filter))
+    }
+
+    /// See [`Backend::show`].
+    pub async fn show(&self, source: &str, key: &str) -> Result<Option<KeyRecord>, StoreError> {
+        dispatch!(self, backend => backend.show(source, key))
+    }
+
+    /// See [`Backend::forget`].
+    pub async fn forget(&self, source: &str, key: &str) -> Result<bool, StoreError> {
+        dispatch!(self, backend => backend.forget(source, key))
+    }
+
+    /// See [`Backend::release`].
+    pub async fn release(&self, source: &str, key: &str) -> Result<Release, StoreError> {
+        dispatch!(self, backend => backend.release(source, key))
+    }
+
+    /// See [`Backend::prune`]; the loop over batches is [`crate::prune`]'s.
+    pub async fn prune(&self, group: &PruneGroup, limit: u32) -> Result<PruneBatch, StoreError> {
+        dispatch!(self, backend => backend.prune(group, limit))
     }
 }
 

@@ -1,21 +1,29 @@
 //! The PostgreSQL backend: a deadpool pool of tokio-postgres connections, the
 //! schema of SPEC section 2, and the claim as one data-modifying statement.
 //! Holds no session state between transactions, so it works through a
-//! transaction-pooling PgBouncer.
+//! transaction-pooling PgBouncer. The operator's statements are in
+//! `postgres/keys.rs`.
+
+mod keys;
 
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
-use super::{Backend, Claim, ClaimRequest, Settlement, StoreError, WonFrom};
+use super::{
+    Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
+    Settlement, StoreError, WonFrom,
+};
 use crate::config::StoreConfig;
 
 /// Claims recorded in PostgreSQL.
 pub struct PostgresStore {
     pool: Pool,
     sql: Statements,
+    keys: keys::Statements,
     table: String,
     statement_cache: bool,
 }
@@ -112,6 +120,7 @@ impl PostgresStore {
         Ok(Self {
             pool,
             sql: Statements::new(&config.table),
+            keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
             statement_cache: config.statement_cache,
         })
@@ -224,6 +233,26 @@ impl Backend for PostgresStore {
             .await?;
         Ok(updated == 1)
     }
+
+    async fn list(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        self.list_keys(filter).await
+    }
+
+    async fn show(&self, source: &str, key: &str) -> Result<Option<KeyRecord>, StoreError> {
+        self.show_key(source, key).await
+    }
+
+    async fn forget(&self, source: &str, key: &str) -> Result<bool, StoreError> {
+        self.forget_key(source, key).await
+    }
+
+    async fn release(&self, source: &str, key: &str) -> Result<Release, StoreError> {
+        self.release_key(source, key).await
+    }
+
+    async fn prune(&self, group: &PruneGroup, limit: u32) -> Result<PruneBatch, StoreError> {
+        self.prune_batch(group, limit).await
+    }
 }
 
 fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
@@ -252,5 +281,8 @@ fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
 }
 
 fn postgres_error(error: tokio_postgres::Error) -> StoreError {
+    if error.code() == Some(&SqlState::UNDEFINED_TABLE) {
+        return StoreError::MissingTable;
+    }
     StoreError::Postgres(error.to_string())
 }

@@ -1,15 +1,21 @@
 //! The embedded SQLite backend for a single replica: one connection owned by
 //! a dedicated thread (SQLite has one writer at a time anyway), WAL with
-//! synchronous commits. Times are stored as Unix milliseconds.
+//! synchronous commits. Times are stored as Unix milliseconds. The operator's
+//! statements are in `sqlite/keys.rs`.
+
+mod keys;
 
 use std::path::Path;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::oneshot;
 
-use super::{Backend, Claim, ClaimRequest, Settlement, StoreError, WonFrom};
+use super::{
+    Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
+    Settlement, StoreError, WonFrom,
+};
 use crate::config::StoreConfig;
 
 type Job = Box<dyn FnOnce(&mut Connection) + Send>;
@@ -18,6 +24,7 @@ type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 pub struct SqliteStore {
     jobs: mpsc::Sender<Job>,
     sql: Statements,
+    keys: Arc<keys::Statements>,
 }
 
 struct Statements {
@@ -81,13 +88,22 @@ struct Prior {
 impl SqliteStore {
     /// Opens (creating if needed) the database file and starts its thread.
     pub fn open(path: &str, config: &StoreConfig) -> Result<Self, StoreError> {
+        Self::open_with(path, config, true)
+    }
+
+    /// Opens the database file, creating it only if `create`; a missing
+    /// file without `create` is a missing table.
+    pub fn open_with(path: &str, config: &StoreConfig, create: bool) -> Result<Self, StoreError> {
+        if !create && !Path::new(path).exists() {
+            return Err(StoreError::MissingTable);
+        }
         if config.table.contains('.') {
             return Err(StoreError::Sqlite(format!(
                 "store.table `{}`: SQLite tables cannot be schema-qualified",
                 config.table
             )));
         }
-        let connection = open_connection(Path::new(path), config.timeout)
+        let connection = open_connection(Path::new(path), config.timeout, create)
             .map_err(|error| StoreError::Sqlite(format!("cannot open {path}: {error}")))?;
         let (jobs, queue) = mpsc::channel::<Job>();
         std::thread::Builder::new()
@@ -102,6 +118,7 @@ impl SqliteStore {
         Ok(Self {
             jobs,
             sql: Statements::new(&config.table),
+            keys: Arc::new(keys::Statements::new(&config.table)),
         })
     }
 
@@ -120,12 +137,31 @@ impl SqliteStore {
         result
             .await
             .map_err(|_| StoreError::Sqlite("the store thread has stopped".into()))?
-            .map_err(|error| StoreError::Sqlite(error.to_string()))
+            .map_err(sqlite_error)
     }
 }
 
-fn open_connection(path: &Path, busy_timeout: Duration) -> rusqlite::Result<Connection> {
-    let connection = Connection::open(path)?;
+fn sqlite_error(error: rusqlite::Error) -> StoreError {
+    match &error {
+        rusqlite::Error::SqliteFailure(_, Some(message))
+            if message.starts_with("no such table") =>
+        {
+            StoreError::MissingTable
+        }
+        _ => StoreError::Sqlite(error.to_string()),
+    }
+}
+
+fn open_connection(
+    path: &Path,
+    busy_timeout: Duration,
+    create: bool,
+) -> rusqlite::Result<Connection> {
+    let mut flags = OpenFlags::default();
+    if !create {
+        flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
+    }
+    let connection = Connection::open_with_flags(path, flags)?;
     connection.busy_timeout(busy_timeout)?;
     connection.pragma_update(None, "journal_mode", "WAL")?;
     // FULL: a commit is on disk before the claim is answered, as in PostgreSQL.
@@ -214,6 +250,36 @@ impl Backend for SqliteStore {
             Ok(updated == 1)
         })
         .await
+    }
+
+    async fn list(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let (keys, filter) = (Arc::clone(&self.keys), filter.clone());
+        self.call(move |connection| keys.list(connection, &filter))
+            .await
+    }
+
+    async fn show(&self, source: &str, key: &str) -> Result<Option<KeyRecord>, StoreError> {
+        let (keys, source, key) = (Arc::clone(&self.keys), source.to_owned(), key.to_owned());
+        self.call(move |connection| keys.show(connection, &source, &key))
+            .await
+    }
+
+    async fn forget(&self, source: &str, key: &str) -> Result<bool, StoreError> {
+        let (keys, source, key) = (Arc::clone(&self.keys), source.to_owned(), key.to_owned());
+        self.call(move |connection| keys.forget(connection, &source, &key))
+            .await
+    }
+
+    async fn release(&self, source: &str, key: &str) -> Result<Release, StoreError> {
+        let (keys, source, key) = (Arc::clone(&self.keys), source.to_owned(), key.to_owned());
+        self.call(move |connection| keys.release(connection, &source, &key, now_ms()))
+            .await
+    }
+
+    async fn prune(&self, group: &PruneGroup, limit: u32) -> Result<PruneBatch, StoreError> {
+        let (keys, group) = (Arc::clone(&self.keys), group.clone());
+        self.call(move |connection| keys.prune(connection, &group, limit, now_ms()))
+            .await
     }
 }
 

@@ -16,26 +16,34 @@ pub struct ProxyProcess {
     pub admin: std::net::SocketAddr,
     child: Child,
     logs: tokio::sync::watch::Sender<Vec<String>>,
+    drain: Option<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
 
 impl ProxyProcess {
     /// Starts the binary and waits for its "serving" log line.
     pub async fn start(config: &str) -> Self {
+        Self::start_with_log_filter(config, "info").await
+    }
+
+    /// Starts the binary with `RUST_LOG=filter`, keeping every stderr line.
+    pub async fn start_with_log_filter(config: &str, filter: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).unwrap();
         let mut child = Command::new(BINARY)
             .args(["run", "--log-format", "json", "--config"])
             .arg(&path)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", filter)
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .expect("start the binary");
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let logs = tokio::sync::watch::Sender::new(Vec::new());
         let serving = async {
             while let Some(line) = lines.next_line().await.unwrap() {
+                logs.send_modify(|lines| lines.push(line.clone()));
                 let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
                     continue;
                 };
@@ -49,9 +57,8 @@ impl ProxyProcess {
             .await
             .expect("serving line");
         // Keep draining stderr so the child never blocks on a full pipe.
-        let logs = tokio::sync::watch::Sender::new(Vec::new());
         let collected = logs.clone();
-        tokio::spawn(async move {
+        let drain = tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 collected.send_modify(|lines| lines.push(line));
             }
@@ -62,8 +69,21 @@ impl ProxyProcess {
             admin: addr("admin_listen"),
             child,
             logs,
+            drain: Some(drain),
             _dir: dir,
         }
+    }
+
+    /// Every line the process wrote to stderr, once it has exited.
+    pub async fn all_log_lines(&mut self) -> Vec<String> {
+        self.wait().await;
+        if let Some(drain) = self.drain.take() {
+            tokio::time::timeout(Duration::from_secs(10), drain)
+                .await
+                .expect("stderr closes when the process exits")
+                .unwrap();
+        }
+        self.logs.borrow().clone()
     }
 
     pub async fn wait_ready(&self) {
@@ -123,13 +143,16 @@ impl ProxyProcess {
     }
 }
 
-struct Output {
-    code: i32,
-    stdout: String,
-    stderr: String,
+/// What a finished run of the binary printed.
+pub struct Output {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
 }
 
-fn run(args: &[&str], config: Option<&str>, env: &[(&str, &str)]) -> Output {
+/// Runs the binary to completion, with `config` written to a file and
+/// passed as `--config`.
+pub fn run(args: &[&str], config: Option<&str>, env: &[(&str, &str)]) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let mut command = std::process::Command::new(BINARY);
     command

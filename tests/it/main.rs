@@ -3,11 +3,17 @@
 
 mod cli;
 mod delivery;
+mod exposition;
 mod hostile;
+mod keys;
 mod lifecycle;
+mod logs;
+mod metrics;
 mod postgres_tls;
 mod prometheus;
+mod prune;
 mod rejections;
+mod rows;
 mod signatures;
 mod store;
 mod support;

@@ -4,7 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dedupe_proxy::config::StoreConfig;
-use dedupe_proxy::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store, WonFrom};
+use dedupe_proxy::store::{
+    Claim, ClaimRequest, KeyStatus, Release, SettledStatus, Settlement, Store, WonFrom,
+};
 
 use crate::on_both_stores;
 use crate::support::{Backend, TestStore};
@@ -16,6 +18,8 @@ on_both_stores!(
     only_one_of_many_concurrent_claims_wins,
     a_different_body_is_reported_as_a_mismatch,
     migration_is_idempotent,
+    a_released_claim_fences_out_its_owner_and_the_next_delivery_wins,
+    show_returns_every_column_and_forget_deletes,
 );
 
 async fn open(backend: Backend) -> (TestStore, Store) {
@@ -216,4 +220,82 @@ async fn migration_is_idempotent(backend: Backend) {
         migration.await.unwrap().unwrap();
     }
     store.ping().await.unwrap();
+}
+
+async fn a_released_claim_fences_out_its_owner_and_the_next_delivery_wins(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let claim = request("k6", b"body", MINUTE);
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Won { attempt: 1, .. }
+    ));
+    assert_eq!(
+        store.release("src", "k6").await.unwrap(),
+        Release::Released { attempt: 1 }
+    );
+    assert_eq!(
+        store.release("src", "k6").await.unwrap(),
+        Release::NotProcessing(KeyStatus::Failed)
+    );
+    assert!(
+        !store.settle("src", "k6", 1, DONE).await.unwrap(),
+        "the released owner cannot settle"
+    );
+    assert_eq!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Won {
+            attempt: 2,
+            from: WonFrom::Failed,
+            payload_mismatch: false
+        }
+    );
+    assert!(store.settle("src", "k6", 2, DONE).await.unwrap());
+    assert_eq!(
+        store.release("src", "k6").await.unwrap(),
+        Release::NotProcessing(KeyStatus::Done)
+    );
+    assert_eq!(
+        store.release("src", "nope").await.unwrap(),
+        Release::Missing
+    );
+}
+
+async fn show_returns_every_column_and_forget_deletes(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let claim = request("k7", b"body", MINUTE);
+    store.claim(&claim).await.unwrap();
+    let processing = store.show("src", "k7").await.unwrap().expect("stored");
+    assert_eq!(processing.status, KeyStatus::Processing);
+    assert_eq!(
+        processing.payload_sha256.as_deref(),
+        Some(&claim.payload_sha256[..])
+    );
+    let lease = processing.lease_expires_at.expect("a lease");
+    let lease_left = lease.duration_since(processing.claimed_at).unwrap();
+    assert!(
+        lease_left > MINUTE - Duration::from_secs(5)
+            && lease_left <= MINUTE + Duration::from_secs(5)
+    );
+    assert_eq!(processing.completed_at, None);
+
+    store.settle("src", "k7", 1, DONE).await.unwrap();
+    let done = store.show("src", "k7").await.unwrap().expect("stored");
+    assert_eq!((done.source.as_str(), done.key.as_str()), ("src", "k7"));
+    assert_eq!((done.status, done.attempts), (KeyStatus::Done, 1));
+    assert_eq!(done.response_status, Some(200));
+    assert_eq!(done.lease_expires_at, None);
+    assert!(done.completed_at.expect("completed") >= done.received_at);
+    assert_eq!(done.received_at, processing.received_at);
+
+    assert!(store.forget("src", "k7").await.unwrap());
+    assert!(!store.forget("src", "k7").await.unwrap());
+    assert_eq!(store.show("src", "k7").await.unwrap(), None);
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Won {
+            attempt: 1,
+            from: WonFrom::New,
+            ..
+        }
+    ));
 }

@@ -1,0 +1,309 @@
+//! The operator's commands on stored keys: `keys list|show|forget|release`
+//! and `prune`, with their table and JSON output. They open the store without
+//! creating anything: a store whose schema was never made is reported, not
+//! made.
+
+use std::time::{Duration, SystemTime};
+
+use anyhow::{anyhow, bail};
+use serde::Serialize;
+
+use super::KeysCommand;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::prune::{PruneError, PrunePlan, Pruner, Round};
+use crate::store::{KeyFilter, KeyRecord, Release, Store, StoreError, StoreUrl};
+
+/// Runs one `keys` subcommand, printing its result on stdout.
+pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
+    let store = open(config)?;
+    let explain = |error| explain(config, error);
+    match command {
+        KeysCommand::List {
+            source,
+            status,
+            limit,
+            json,
+        } => {
+            let filter = KeyFilter {
+                source,
+                status: status.map(Into::into),
+                limit,
+            };
+            let records = store.list(&filter).await.map_err(explain)?;
+            print!("{}", render_list(&records, json));
+        }
+        KeysCommand::Show { source, key, json } => {
+            match store.show(&source, &key).await.map_err(explain)? {
+                Some(record) => print!("{}", render_one(&record, json)),
+                None => return Err(missing(config, &source, &key)),
+            }
+        }
+        KeysCommand::Forget { source, key } => {
+            if !store.forget(&source, &key).await.map_err(explain)? {
+                return Err(missing(config, &source, &key));
+            }
+            println!("forgot {source} {key}: its next delivery will be processed again");
+        }
+        KeysCommand::Release { source, key } => {
+            match store.release(&source, &key).await.map_err(explain)? {
+                Release::Released { attempt } => println!(
+                    "released {source} {key}: attempt {attempt} is now failed, so the next delivery will be forwarded"
+                ),
+                Release::Missing => return Err(missing(config, &source, &key)),
+                Release::NotProcessing(status) => bail!(
+                    "key `{key}` of source `{source}` is {status}, not processing: nothing to release"
+                ),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs one pruning round with the configured horizons, or `older_than`
+/// for every source, and prints how many keys it deleted.
+pub async fn prune(config: &Config, older_than: Option<Duration>) -> anyhow::Result<()> {
+    let plan = PrunePlan::new(config, older_than);
+    let pruner = Pruner::new(open(config)?, plan, Metrics::new());
+    match pruner.run_once().await {
+        Ok(Round::Pruned { deleted }) => {
+            println!(
+                "pruned {deleted} {}",
+                if deleted == 1 { "key" } else { "keys" }
+            );
+            Ok(())
+        }
+        Ok(Round::Skipped) => bail!(
+            "another process is pruning this table (it holds the prune lock); nothing was deleted, try again later"
+        ),
+        Err(PruneError { deleted, source }) => Err(explain(config, source)
+            .context(format!("pruning stopped after deleting {deleted} keys"))),
+    }
+}
+
+fn open(config: &Config) -> anyhow::Result<Store> {
+    Store::open_existing(&config.store).map_err(|error| explain(config, error))
+}
+
+fn explain(config: &Config, error: StoreError) -> anyhow::Error {
+    let store = StoreUrl::redact(&config.store.url);
+    match error {
+        StoreError::MissingTable => anyhow!(
+            "the table `{}` does not exist in {store}: create it with `dedupe-proxy migrate`",
+            config.store.table
+        ),
+        other => anyhow::Error::new(other).context(format!("store {store}")),
+    }
+}
+
+fn missing(config: &Config, source: &str, key: &str) -> anyhow::Error {
+    let routes: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
+    let hint = if routes.contains(&source) || routes.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " (no route is named `{source}`; routes: {})",
+            routes.join(", ")
+        )
+    };
+    anyhow!("no key `{key}` for source `{source}`{hint}")
+}
+
+/// A record as `--json` prints it: RFC 3339 times, the hash in hex.
+#[derive(Serialize)]
+struct JsonRecord<'a> {
+    source: &'a str,
+    key: &'a str,
+    status: &'static str,
+    attempts: i32,
+    payload_sha256: Option<String>,
+    response_status: Option<u16>,
+    received_at: String,
+    claimed_at: String,
+    lease_expires_at: Option<String>,
+    completed_at: Option<String>,
+}
+
+impl<'a> JsonRecord<'a> {
+    fn new(record: &'a KeyRecord) -> Self {
+        Self {
+            source: &record.source,
+            key: &record.key,
+            status: record.status.as_str(),
+            attempts: record.attempts,
+            payload_sha256: record.payload_sha256.as_deref().map(hex),
+            response_status: record.response_status,
+            received_at: time(record.received_at),
+            claimed_at: time(record.claimed_at),
+            lease_expires_at: record.lease_expires_at.map(time),
+            completed_at: record.completed_at.map(time),
+        }
+    }
+}
+
+fn render_list(records: &[KeyRecord], json: bool) -> String {
+    if json {
+        let records: Vec<JsonRecord<'_>> = records.iter().map(JsonRecord::new).collect();
+        return to_json(&records);
+    }
+    if records.is_empty() {
+        return "no keys\n".into();
+    }
+    let header = [
+        "SOURCE",
+        "KEY",
+        "STATUS",
+        "ATTEMPTS",
+        "RESPONSE",
+        "RECEIVED",
+        "COMPLETED",
+    ];
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|record| {
+            vec![
+                record.source.clone(),
+                record.key.clone(),
+                record.status.to_string(),
+                record.attempts.to_string(),
+                or_dash(record.response_status),
+                time(record.received_at),
+                or_dash(record.completed_at.map(time)),
+            ]
+        })
+        .collect();
+    table(&header, &rows)
+}
+
+fn render_one(record: &KeyRecord, json: bool) -> String {
+    if json {
+        return to_json(&JsonRecord::new(record));
+    }
+    let fields = [
+        ("source", record.source.clone()),
+        ("key", record.key.clone()),
+        ("status", record.status.to_string()),
+        ("attempts", record.attempts.to_string()),
+        (
+            "payload_sha256",
+            or_dash(record.payload_sha256.as_deref().map(hex)),
+        ),
+        ("response_status", or_dash(record.response_status)),
+        ("received_at", time(record.received_at)),
+        ("claimed_at", time(record.claimed_at)),
+        (
+            "lease_expires_at",
+            or_dash(record.lease_expires_at.map(time)),
+        ),
+        ("completed_at", or_dash(record.completed_at.map(time))),
+    ];
+    let rows: Vec<Vec<String>> = fields
+        .into_iter()
+        .map(|(name, value)| vec![name.to_owned(), value])
+        .collect();
+    table(&["FIELD", "VALUE"], &rows)
+}
+
+/// Columns padded to their widest cell, two spaces apart.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|cell| cell.chars().count()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let header: Vec<String> = header.iter().map(|cell| (*cell).to_owned()).collect();
+    let mut out = String::new();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        for (cell, width) in row.iter().zip(&widths) {
+            let padding = width - cell.chars().count();
+            line.push_str(cell);
+            line.push_str(&" ".repeat(padding + 2));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn to_json(value: &impl Serialize) -> String {
+    let mut text = serde_json::to_string_pretty(value).expect("records serialize");
+    text.push('\n');
+    text
+}
+
+fn time(at: SystemTime) -> String {
+    humantime::format_rfc3339_millis(at).to_string()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+fn or_dash(value: Option<impl ToString>) -> String {
+    value.map_or_else(|| "-".to_owned(), |value| value.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::KeyStatus;
+    use std::time::UNIX_EPOCH;
+
+    fn record(key: &str, status: KeyStatus) -> KeyRecord {
+        let at = UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+        KeyRecord {
+            source: "orders".into(),
+            key: key.into(),
+            status,
+            attempts: 2,
+            payload_sha256: Some(vec![0x00, 0xab, 0xff]),
+            response_status: Some(500),
+            received_at: at,
+            claimed_at: at,
+            lease_expires_at: None,
+            completed_at: Some(at + Duration::from_secs(1)),
+        }
+    }
+
+    #[test]
+    fn tables_align_columns_under_their_header() {
+        let text = render_list(
+            &[
+                record("evt_1", KeyStatus::Done),
+                record("a-much-longer-key", KeyStatus::Processing),
+            ],
+            false,
+        );
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3);
+        let status_column = lines[0].find("STATUS").unwrap();
+        assert_eq!(lines[1].find("done"), Some(status_column));
+        assert_eq!(lines[2].find("processing"), Some(status_column));
+        assert!(
+            lines[1].contains("2023-11-14T22:13:20.123Z"),
+            "{}",
+            lines[1]
+        );
+        assert!(lines.iter().all(|line| !line.ends_with(' ')));
+    }
+
+    #[test]
+    fn json_has_rfc3339_times_and_a_hex_hash() {
+        let value: serde_json::Value =
+            serde_json::from_str(&render_one(&record("evt_1", KeyStatus::Failed), true)).unwrap();
+        assert_eq!(value["payload_sha256"], "00abff");
+        assert_eq!(value["received_at"], "2023-11-14T22:13:20.123Z");
+        assert_eq!(value["completed_at"], "2023-11-14T22:13:21.123Z");
+        assert_eq!(value["lease_expires_at"], serde_json::Value::Null);
+        assert_eq!(value["status"], "failed");
+        assert_eq!(value["response_status"], 500);
+    }
+
+    #[test]
+    fn an_empty_list_says_so_or_is_an_empty_array() {
+        assert_eq!(render_list(&[], false), "no keys\n");
+        assert_eq!(render_list(&[], true), "[]\n");
+    }
+}

@@ -1,0 +1,182 @@
+//! PostgreSQL statements for the operator's commands and the pruner: list,
+//! show, forget, release, and pruning in small batches under a
+//! transaction-scoped advisory lock (so it works through a transaction
+//! pooler, and a replica that finds the lock taken skips its turn).
+
+use std::time::Duration;
+
+use tokio_postgres::Row;
+
+use super::{PostgresStore, postgres_error};
+use crate::store::{
+    KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources, StoreError,
+};
+
+const COLUMNS: &str = "source, event_id, status, attempts, payload_sha256, response_status, \
+                       received_at, claimed_at, lease_expires_at, completed_at";
+
+/// `now() - interval` overflows past the calendar's start; nothing is older
+/// than this anyway.
+const LONGEST_HORIZON: Duration = Duration::from_secs(1000 * 365 * 86400);
+
+pub(super) struct Statements {
+    list: String,
+    show: String,
+    forget: String,
+    status_for_update: String,
+    release: String,
+    prune_only: String,
+    prune_except: String,
+    prune_lock: String,
+}
+
+impl Statements {
+    pub(super) fn new(table: &str) -> Self {
+        Self {
+            list: format!(
+                "SELECT {COLUMNS} FROM {table}
+                  WHERE ($1::text IS NULL OR source = $1) AND ($2::text IS NULL OR status = $2)
+                  ORDER BY received_at DESC, source, event_id
+                  LIMIT $3"
+            ),
+            show: format!("SELECT {COLUMNS} FROM {table} WHERE source = $1 AND event_id = $2"),
+            forget: format!("DELETE FROM {table} WHERE source = $1 AND event_id = $2"),
+            status_for_update: format!(
+                "SELECT status FROM {table} WHERE source = $1 AND event_id = $2 FOR UPDATE"
+            ),
+            release: format!(
+                "UPDATE {table}
+                    SET status = 'failed', response_status = NULL, completed_at = now(),
+                        lease_expires_at = NULL
+                  WHERE source = $1 AND event_id = $2 AND status = 'processing'
+                  RETURNING attempts"
+            ),
+            prune_only: prune_statement(table, "source = ANY($2)"),
+            prune_except: prune_statement(table, "source <> ALL($2)"),
+            prune_lock: format!("dedupe-proxy prune {table}"),
+        }
+    }
+}
+
+/// One batch: victims found through the `received_at` index, oldest first;
+/// rows a claim has locked are skipped rather than waited for.
+fn prune_statement(table: &str, sources: &str) -> String {
+    format!(
+        "DELETE FROM {table} WHERE ctid IN (
+           SELECT ctid FROM {table}
+            WHERE received_at < now() - $1::bigint * interval '1 millisecond'
+              AND {sources}
+              AND (status <> 'processing' OR lease_expires_at <= now())
+            ORDER BY received_at
+            LIMIT $3
+            FOR UPDATE SKIP LOCKED
+         )"
+    )
+}
+
+impl PostgresStore {
+    pub(super) async fn list_keys(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let status = filter.status.map(KeyStatus::as_str);
+        let rows = self
+            .query(
+                &self.keys.list,
+                &[&filter.source, &status, &i64::from(filter.limit)],
+            )
+            .await?;
+        rows.iter().map(record).collect()
+    }
+
+    pub(super) async fn show_key(
+        &self,
+        source: &str,
+        key: &str,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let rows = self.query(&self.keys.show, &[&source, &key]).await?;
+        rows.first().map(record).transpose()
+    }
+
+    pub(super) async fn forget_key(&self, source: &str, key: &str) -> Result<bool, StoreError> {
+        Ok(self.execute(&self.keys.forget, &[&source, &key]).await? == 1)
+    }
+
+    pub(super) async fn release_key(&self, source: &str, key: &str) -> Result<Release, StoreError> {
+        let mut client = self.client().await?;
+        let transaction = client.transaction().await.map_err(postgres_error)?;
+        // Locking the row first makes "missing", "not processing" and the
+        // update one decision.
+        let status = transaction
+            .query_opt(&self.keys.status_for_update, &[&source, &key])
+            .await
+            .map_err(postgres_error)?;
+        let outcome = match status.as_ref().map(|row| row.get::<_, &str>(0)) {
+            None => Release::Missing,
+            Some("processing") => {
+                let row = transaction
+                    .query_one(&self.keys.release, &[&source, &key])
+                    .await
+                    .map_err(postgres_error)?;
+                Release::Released {
+                    attempt: row.get(0),
+                }
+            }
+            Some(other) => Release::NotProcessing(status_from(other)?),
+        };
+        transaction.commit().await.map_err(postgres_error)?;
+        Ok(outcome)
+    }
+
+    pub(super) async fn prune_batch(
+        &self,
+        group: &PruneGroup,
+        limit: u32,
+    ) -> Result<PruneBatch, StoreError> {
+        let (sql, sources) = match &group.sources {
+            Sources::Only(sources) => (&self.keys.prune_only, sources),
+            Sources::AllExcept(sources) => (&self.keys.prune_except, sources),
+        };
+        let older_than_ms =
+            i64::try_from(group.older_than.min(LONGEST_HORIZON).as_millis()).unwrap_or(i64::MAX);
+        let mut client = self.client().await?;
+        let transaction = client.transaction().await.map_err(postgres_error)?;
+        let locked: bool = transaction
+            .query_one(
+                "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))",
+                &[&self.keys.prune_lock],
+            )
+            .await
+            .map_err(postgres_error)?
+            .get(0);
+        if !locked {
+            transaction.rollback().await.map_err(postgres_error)?;
+            return Ok(PruneBatch::Busy);
+        }
+        let deleted = transaction
+            .execute(sql, &[&older_than_ms, sources, &i64::from(limit)])
+            .await
+            .map_err(postgres_error)?;
+        transaction.commit().await.map_err(postgres_error)?;
+        Ok(PruneBatch::Deleted(deleted))
+    }
+}
+
+fn record(row: &Row) -> Result<KeyRecord, StoreError> {
+    Ok(KeyRecord {
+        source: row.get(0),
+        key: row.get(1),
+        status: status_from(row.get(2))?,
+        attempts: row.get(3),
+        payload_sha256: row.get(4),
+        response_status: row
+            .get::<_, Option<i16>>(5)
+            .and_then(|status| u16::try_from(status).ok()),
+        received_at: row.get(6),
+        claimed_at: row.get(7),
+        lease_expires_at: row.get(8),
+        completed_at: row.get(9),
+    })
+}
+
+fn status_from(text: &str) -> Result<KeyStatus, StoreError> {
+    KeyStatus::parse(text)
+        .ok_or_else(|| StoreError::Postgres(format!("unknown status `{text}` in the table")))
+}

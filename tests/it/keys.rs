@@ -1,0 +1,371 @@
+//! The operator's commands through the binary, on both stores: `keys list`,
+//! `show`, `forget`, `release` and `prune`, their table and JSON output, and
+//! their exit codes for missing keys, a missing schema and bad arguments.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use dedupe_proxy::config::StoreConfig;
+use dedupe_proxy::store::{ClaimRequest, KeyStatus, SettledStatus, Settlement, Store};
+use sha2::{Digest, Sha256};
+
+use crate::cli::{Output, run};
+use crate::on_both_stores;
+use crate::rows;
+use crate::support::{Backend, TestStore};
+
+on_both_stores!(
+    keys_list_prints_a_table_newest_first_and_filters_it,
+    keys_list_and_show_print_json_with_rfc3339_times_and_a_hex_hash,
+    keys_show_prints_every_column,
+    keys_forget_deletes_a_key_and_a_missing_key_exits_1,
+    keys_release_fails_a_processing_key_and_nothing_else,
+    the_commands_report_a_missing_table_without_creating_it,
+    prune_deletes_keys_past_their_horizon_or_the_override,
+);
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// A store holding, newest first: `json/evt_processing` (live lease, 1h old),
+/// `orders/evt_failed` (500, 2h old), `orders/evt_done` (200, 3h old).
+async fn seeded(backend: Backend) -> (TestStore, String) {
+    let db = TestStore::new(backend).await;
+    let store = Store::open(&StoreConfig {
+        url: db.url.clone(),
+        ..StoreConfig::default()
+    })
+    .unwrap();
+    store.migrate().await.unwrap();
+    for (source, key, outcome, ago) in [
+        ("orders", "evt_done", Some((SettledStatus::Done, 200)), 3),
+        (
+            "orders",
+            "evt_failed",
+            Some((SettledStatus::Failed, 500)),
+            2,
+        ),
+        ("json", "evt_processing", None, 1),
+    ] {
+        let claim = ClaimRequest {
+            source: Arc::from(source),
+            key: key.into(),
+            payload_sha256: Sha256::digest(key).into(),
+            lease: HOUR,
+        };
+        store.claim(&claim).await.unwrap();
+        if let Some((status, code)) = outcome {
+            let settlement = Settlement {
+                status,
+                response_status: Some(code),
+            };
+            assert!(store.settle(source, key, 1, settlement).await.unwrap());
+        }
+        rows::age(&db, source, key, HOUR * ago).await;
+    }
+    let config = config(&db);
+    (db, config)
+}
+
+fn config(db: &TestStore) -> String {
+    format!(
+        "store: {{ url: '{}' }}\nroutes:\n  - {{ name: orders, path: /o, key: {{ header: X-Id }} }}\n  - {{ name: json, path: /j, key: {{ json: /id }} }}\n",
+        db.url
+    )
+}
+
+fn keys(args: &[&str], config: &str) -> Output {
+    let out = run(args, Some(config), &[]);
+    assert!(
+        out.code == 0 || !out.stderr.is_empty(),
+        "a failure says why: {args:?}"
+    );
+    out
+}
+
+/// The first two columns (source, key) of a table's rows.
+fn listed(out: &Output) -> Vec<String> {
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    out.stdout
+        .lines()
+        .skip(1)
+        .map(|line| {
+            let cells: Vec<&str> = line.split_whitespace().collect();
+            format!("{}/{}", cells[0], cells[1])
+        })
+        .collect()
+}
+
+async fn keys_list_prints_a_table_newest_first_and_filters_it(backend: Backend) {
+    let (_db, config) = seeded(backend).await;
+    let all = keys(&["keys", "list"], &config);
+    let header: Vec<&str> = all
+        .stdout
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        header,
+        [
+            "SOURCE",
+            "KEY",
+            "STATUS",
+            "ATTEMPTS",
+            "RESPONSE",
+            "RECEIVED",
+            "COMPLETED"
+        ]
+    );
+    assert_eq!(
+        listed(&all),
+        [
+            "json/evt_processing",
+            "orders/evt_failed",
+            "orders/evt_done"
+        ]
+    );
+    let failed_row: Vec<&str> = all
+        .stdout
+        .lines()
+        .nth(2)
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(failed_row[2..5], ["failed", "1", "500"]);
+    let status_column = all.stdout.lines().next().unwrap().find("STATUS").unwrap();
+    for line in all.stdout.lines().skip(1) {
+        assert!(
+            line[status_column..].starts_with(|c: char| c.is_ascii_lowercase()),
+            "columns are aligned: {line}"
+        );
+    }
+
+    let orders = keys(&["keys", "list", "--source", "orders"], &config);
+    assert_eq!(listed(&orders), ["orders/evt_failed", "orders/evt_done"]);
+    let done = keys(&["keys", "list", "--status", "done"], &config);
+    assert_eq!(listed(&done), ["orders/evt_done"]);
+    let newest = keys(&["keys", "list", "--limit", "1"], &config);
+    assert_eq!(listed(&newest), ["json/evt_processing"]);
+    let none = keys(
+        &[
+            "keys",
+            "list",
+            "--source",
+            "orders",
+            "--status",
+            "processing",
+        ],
+        &config,
+    );
+    assert_eq!((none.code, none.stdout.as_str()), (0, "no keys\n"));
+}
+
+async fn keys_list_and_show_print_json_with_rfc3339_times_and_a_hex_hash(backend: Backend) {
+    let (_db, config) = seeded(backend).await;
+    let out = keys(&["keys", "list", "--json"], &config);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let list: Vec<serde_json::Value> = serde_json::from_str(&out.stdout).unwrap();
+    let names: Vec<&str> = list.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(names, ["evt_processing", "evt_failed", "evt_done"]);
+
+    let out = keys(&["keys", "show", "orders", "evt_done", "--json"], &config);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let shown: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(shown, list[2], "show and list agree");
+    let expected_hash: String = Sha256::digest("evt_done")
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(shown["payload_sha256"], expected_hash.as_str());
+    assert_eq!(shown["source"], "orders");
+    assert_eq!(shown["status"], "done");
+    assert_eq!(shown["attempts"], 1);
+    assert_eq!(shown["response_status"], 200);
+    assert_eq!(shown["lease_expires_at"], serde_json::Value::Null);
+    let time = |field: &str| {
+        let text = shown[field].as_str().unwrap_or_else(|| panic!("{field}"));
+        humantime::parse_rfc3339(text).unwrap_or_else(|e| panic!("{field} {text}: {e}"))
+    };
+    let age = SystemTime::now()
+        .duration_since(time("received_at"))
+        .unwrap();
+    assert!(age > HOUR * 3 - Duration::from_secs(60) && age < HOUR * 3 + Duration::from_secs(60));
+    assert!(time("completed_at") > time("received_at"));
+    let processing = &list[0];
+    assert_eq!(processing["status"], "processing");
+    assert!(processing["lease_expires_at"].is_string());
+    assert_eq!(processing["completed_at"], serde_json::Value::Null);
+}
+
+async fn keys_show_prints_every_column(backend: Backend) {
+    let (_db, config) = seeded(backend).await;
+    let out = keys(&["keys", "show", "orders", "evt_failed"], &config);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let fields: Vec<(String, String)> = out
+        .stdout
+        .lines()
+        .skip(1)
+        .map(|line| {
+            let (name, value) = line.split_once(' ').unwrap();
+            (name.to_owned(), value.trim().to_owned())
+        })
+        .collect();
+    let names: Vec<&str> = fields.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "source",
+            "key",
+            "status",
+            "attempts",
+            "payload_sha256",
+            "response_status",
+            "received_at",
+            "claimed_at",
+            "lease_expires_at",
+            "completed_at"
+        ]
+    );
+    let value = |name: &str| &fields.iter().find(|(n, _)| n == name).unwrap().1;
+    assert_eq!(value("status"), "failed");
+    assert_eq!(value("response_status"), "500");
+    assert_eq!(value("lease_expires_at"), "-");
+    assert_eq!(value("payload_sha256").len(), 64);
+}
+
+async fn keys_forget_deletes_a_key_and_a_missing_key_exits_1(backend: Backend) {
+    let (db, config) = seeded(backend).await;
+    let out = keys(&["keys", "forget", "orders", "evt_done"], &config);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("forgot orders evt_done"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(
+        rows::keys(&db).await,
+        ["json/evt_processing", "orders/evt_failed"]
+    );
+    for command in ["forget", "show", "release"] {
+        let out = keys(&["keys", command, "orders", "evt_done"], &config);
+        assert_eq!(out.code, 1, "{command}: {}", out.stdout);
+        assert!(
+            out.stderr.contains("no key `evt_done` for source `orders`"),
+            "{command}: {}",
+            out.stderr
+        );
+    }
+    let unknown = keys(&["keys", "show", "ordrs", "evt_failed"], &config);
+    assert_eq!(unknown.code, 1);
+    assert!(
+        unknown.stderr.contains("no route is named `ordrs`"),
+        "{}",
+        unknown.stderr
+    );
+}
+
+async fn keys_release_fails_a_processing_key_and_nothing_else(backend: Backend) {
+    let (_db, config) = seeded(backend).await;
+    let out = keys(&["keys", "release", "json", "evt_processing"], &config);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("attempt 1 is now failed"),
+        "{}",
+        out.stdout
+    );
+    let shown = keys(
+        &["keys", "show", "json", "evt_processing", "--json"],
+        &config,
+    );
+    let shown: serde_json::Value = serde_json::from_str(&shown.stdout).unwrap();
+    assert_eq!(shown["status"], KeyStatus::Failed.as_str());
+    assert_eq!(shown["lease_expires_at"], serde_json::Value::Null);
+    assert_eq!(shown["attempts"], 1);
+
+    for (key, status) in [("evt_processing", "failed"), ("evt_done", "done")] {
+        let source = if key == "evt_done" { "orders" } else { "json" };
+        let again = keys(&["keys", "release", source, key], &config);
+        assert_eq!(again.code, 1, "{key}");
+        assert!(
+            again
+                .stderr
+                .contains(&format!("is {status}, not processing")),
+            "{}",
+            again.stderr
+        );
+    }
+}
+
+async fn the_commands_report_a_missing_table_without_creating_it(backend: Backend) {
+    let db = TestStore::new(backend).await;
+    let config = config(&db);
+    for args in [
+        &["keys", "list"][..],
+        &["keys", "show", "orders", "k"],
+        &["keys", "forget", "orders", "k"],
+        &["keys", "release", "orders", "k"],
+        &["prune"],
+    ] {
+        let out = keys(args, &config);
+        assert_eq!(out.code, 1, "{args:?}: {}", out.stdout);
+        assert!(
+            out.stderr.contains("`processed_events` does not exist")
+                && out.stderr.contains("dedupe-proxy migrate"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+    assert!(!rows::table_exists(&db).await);
+}
+
+async fn prune_deletes_keys_past_their_horizon_or_the_override(backend: Backend) {
+    let (db, config) = seeded(backend).await;
+    let out = keys(&["prune"], &config);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.stdout, "pruned 0 keys\n", "the default retention is 7d");
+    assert_eq!(rows::keys(&db).await.len(), 3);
+    let out = keys(&["prune", "--older-than", "150m"], &config);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.stdout, "pruned 1 key\n", "{}", out.stderr);
+    assert_eq!(
+        rows::keys(&db).await,
+        ["json/evt_processing", "orders/evt_failed"]
+    );
+}
+
+#[test]
+fn bad_arguments_exit_2_with_clap_s_message() {
+    let config = "store: { url: 'sqlite:///nonexistent/dedupe.db' }\n";
+    for (args, says) in [
+        (
+            &["keys", "list", "--status", "finished"][..],
+            "possible values",
+        ),
+        (&["keys", "list", "--limit", "0"], "--limit"),
+        (&["keys", "list", "--limit", "many"], "--limit"),
+        (&["keys", "show", "orders"], "<KEY>"),
+        (&["keys", "forget"], "<SOURCE>"),
+        (&["keys", "release", "orders"], "<KEY>"),
+        (&["keys"], "Usage"),
+        (&["prune", "--older-than", "soon"], "--older-than"),
+    ] {
+        let out = run(args, Some(config), &[]);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
+    }
+}
+
+#[tokio::test]
+async fn prune_exits_1_while_another_process_holds_the_prune_lock() {
+    let (db, config) = seeded(Backend::Postgres).await;
+    let _holder = rows::hold_prune_lock(&db).await;
+    let out = keys(&["prune", "--older-than", "1m"], &config);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(
+        out.stderr.contains("another process is pruning"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(rows::keys(&db).await.len(), 3);
+}

@@ -1,0 +1,83 @@
+//! The binary's logs with `--log-format json`: one JSON object per line,
+//! exactly one `webhook` line per webhook with the fields operators filter
+//! on, and never a request body, even at the most verbose filter.
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use serde_json::Value;
+
+use crate::cli::ProxyProcess;
+use crate::support::{Backend, TestResponse, TestStore, Upstream, client};
+
+const MARKER: &str = "BODY-MARKER-5f1c2e";
+
+async fn deliver(proxy: &ProxyProcess, key: &str) -> TestResponse {
+    let request = Request::post(format!("http://{}/hooks/orders", proxy.addr))
+        .header("x-event-id", key)
+        .body(Full::new(Bytes::from(format!(r#"{{"card":"{MARKER}"}}"#))))
+        .unwrap();
+    TestResponse::read(client().request(request).await.expect("proxy answers")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_webhook_logs_one_json_line_and_no_body() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url(),
+        store.url
+    );
+    let mut proxy = ProxyProcess::start_with_log_filter(&config, "trace").await;
+    proxy.wait_ready().await;
+    assert_eq!(deliver(&proxy, "evt_log").await.outcome(), "forwarded");
+    assert_eq!(deliver(&proxy, "evt_log").await.outcome(), "duplicate");
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+
+    let events: Vec<Value> = lines
+        .iter()
+        .map(|line| {
+            let event: Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("not one JSON object ({e}): {line}"));
+            assert!(event.is_object(), "{line}");
+            event
+        })
+        .collect();
+    let webhooks: Vec<&Value> = events
+        .iter()
+        .filter(|event| event["message"] == "webhook")
+        .collect();
+    assert_eq!(webhooks.len(), 2, "one line per webhook: {webhooks:#?}");
+
+    let forwarded = webhooks[0];
+    assert_eq!(forwarded["level"], "INFO");
+    assert_eq!(forwarded["route"], "orders");
+    assert_eq!(forwarded["key"], "evt_log");
+    assert_eq!(forwarded["outcome"], "forwarded");
+    assert_eq!(forwarded["attempt"], 1);
+    assert_eq!(forwarded["upstream_status"], 200);
+    for duration in ["store_ms", "upstream_ms", "total_ms"] {
+        let ms = forwarded[duration].as_f64();
+        assert!(ms.is_some_and(|ms| ms >= 0.0), "{duration}: {forwarded}");
+    }
+    assert!(forwarded["timestamp"].is_string());
+
+    let duplicate = webhooks[1];
+    assert_eq!(duplicate["outcome"], "duplicate");
+    assert_eq!(duplicate["key"], "evt_log");
+    assert!(duplicate.get("upstream_status").is_none(), "{duplicate}");
+    assert!(duplicate.get("attempt").is_none(), "{duplicate}");
+
+    let leaked: Vec<&String> = lines.iter().filter(|l| l.contains(MARKER)).collect();
+    assert!(leaked.is_empty(), "the body was logged: {leaked:#?}");
+    assert_eq!(upstream.count(), 1);
+    assert!(
+        upstream.seen()[0]
+            .body
+            .windows(MARKER.len())
+            .any(|w| w == MARKER.as_bytes()),
+        "the marker did travel through the proxy"
+    );
+}
