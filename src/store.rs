@@ -5,6 +5,7 @@
 //! The operator's operations (list, show, forget, release, prune) are part of
 //! the same trait, with their types in [`keys`].
 
+mod coalesce;
 mod keys;
 mod postgres;
 mod sqlite;
@@ -122,7 +123,7 @@ impl SettledStatus {
 }
 
 /// A store failure: every one means "the store is unavailable" to a webhook.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The operation took longer than `store.timeout`.
     #[error("store operation timed out after {0:?}")]
@@ -130,6 +131,10 @@ pub enum StoreError {
     /// PostgreSQL could not be reached or answered with an error.
     #[error("postgres: {0}")]
     Postgres(String),
+    /// PostgreSQL refused a statement (bad data, deadlock, serialization
+    /// failure); the connection is healthy.
+    #[error("postgres refused the statement: {0}")]
+    Refused(String),
     /// SQLite failed.
     #[error("sqlite: {0}")]
     Sqlite(String),

@@ -6,6 +6,8 @@
 
 mod keys;
 
+use std::collections::HashSet;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
@@ -13,6 +15,7 @@ use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
+use super::coalesce::Coalescer;
 use super::{
     Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
     Settlement, StoreError, WonFrom,
@@ -22,11 +25,29 @@ use crate::config::StoreConfig;
 /// Claims recorded in PostgreSQL.
 pub struct PostgresStore {
     pool: Pool,
-    sql: Statements,
+    sql: Arc<Statements>,
     keys: keys::Statements,
     table: String,
     statement_cache: bool,
+    batches: OnceLock<Batches>,
 }
+
+/// The coalescing queues, started on first use (they need a runtime).
+struct Batches {
+    claims: Coalescer<ClaimRequest, Claim>,
+    settles: Coalescer<SettleRequest, bool>,
+}
+
+/// One queued settle.
+struct SettleRequest {
+    source: String,
+    key: String,
+    attempt: i32,
+    settlement: Settlement,
+}
+
+/// Most keys one statement claims or settles.
+const MAX_BATCH: usize = 256;
 
 struct Statements {
     migrate: String,
@@ -54,38 +75,50 @@ impl Statements {
                  );
                  CREATE INDEX IF NOT EXISTS {index}_received_at_idx ON {table} (received_at);"
             ),
-            // `prior` reads the statement's snapshot, i.e. the row as it was
-            // before this statement: it only classifies the result. The
-            // decision itself is the ON CONFLICT clause. A row committed by a
-            // concurrent claim after the snapshot is invisible to `prior`;
-            // losing to it yields no row at all, which means in flight.
+            // One statement claims a whole batch of keys (no key twice).
+            // `prior` reads the statement's snapshot, i.e. the rows as they
+            // were before it: it only classifies results. Each key's decision
+            // is the ON CONFLICT clause. A row committed by a concurrent claim
+            // after the snapshot is invisible to `prior`; losing to it means
+            // in flight. Rows are inserted in key order, so concurrent batches
+            // lock shared keys in the same order and cannot deadlock.
             claim: format!(
-                "WITH prior AS (
-                   SELECT status, payload_sha256, received_at FROM {table}
-                    WHERE source = $1 AND event_id = $2
+                "WITH input AS (
+                   SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
+                     WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, ord)
+                 ), prior AS (
+                   SELECT e.source, e.event_id, e.status, e.payload_sha256, e.received_at
+                     FROM {table} e JOIN input i USING (source, event_id)
                  ), claimed AS (
                    INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
-                   VALUES ($1, $2, 'processing', 1, $3, now() + $4::bigint * interval '1 millisecond')
+                   SELECT source, event_id, 'processing', 1, payload_sha256,
+                          now() + lease_ms * interval '1 millisecond'
+                     FROM input ORDER BY source, event_id
                    ON CONFLICT (source, event_id) DO UPDATE
                       SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
                           lease_expires_at = excluded.lease_expires_at,
                           response_status = NULL, completed_at = NULL
                     WHERE e.status = 'failed'
                        OR (e.status = 'processing' AND e.lease_expires_at <= now())
-                   RETURNING attempts, payload_sha256
+                   RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
                  )
-                 SELECT true AS won, c.attempts, c.payload_sha256, p.status,
-                        0::float8 AS age_seconds
-                   FROM claimed c LEFT JOIN prior p ON true
-                 UNION ALL
-                 SELECT false, 0, p.payload_sha256, p.status,
-                        extract(epoch FROM now() - p.received_at)::float8
-                   FROM prior p WHERE NOT EXISTS (SELECT 1 FROM claimed)"
+                 SELECT i.ord, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
+                        coalesce(c.payload_sha256, p.payload_sha256), p.status,
+                        coalesce(extract(epoch FROM now() - p.received_at)::float8, 0)
+                   FROM input i
+                   LEFT JOIN claimed c USING (source, event_id)
+                   LEFT JOIN prior p USING (source, event_id)"
             ),
+            // Fenced per row: only the attempt that owns a key settles it.
             settle: format!(
-                "UPDATE {table}
-                    SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
-                  WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3"
+                "UPDATE {table} AS e
+                    SET status = u.status, response_status = u.response_status,
+                        completed_at = now(), lease_expires_at = NULL
+                   FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::int2[])
+                          WITH ORDINALITY AS u(source, event_id, attempt, status, response_status, ord)
+                  WHERE e.source = u.source AND e.event_id = u.event_id
+                    AND e.status = 'processing' AND e.attempts = u.attempt
+                 RETURNING u.ord"
             ),
         }
     }
@@ -119,10 +152,31 @@ impl PostgresStore {
             .map_err(|error| StoreError::Postgres(error.to_string()))?;
         Ok(Self {
             pool,
-            sql: Statements::new(&config.table),
+            sql: Arc::new(Statements::new(&config.table)),
             keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
             statement_cache: config.statement_cache,
+            batches: OnceLock::new(),
+        })
+    }
+
+    fn batches(&self) -> &Batches {
+        self.batches.get_or_init(|| {
+            let connections = self.pool.status().max_size;
+            let runner = BatchRunner {
+                pool: self.pool.clone(),
+                sql: Arc::clone(&self.sql),
+                statement_cache: self.statement_cache,
+            };
+            let settle_runner = runner.clone();
+            Batches {
+                claims: Coalescer::start(connections, MAX_BATCH, move |batch| {
+                    runner.clone().claim_batch(batch)
+                }),
+                settles: Coalescer::start(connections, MAX_BATCH, move |batch| {
+                    settle_runner.clone().settle_batch(batch)
+                }),
+            }
         })
     }
 
@@ -189,24 +243,7 @@ impl Backend for PostgresStore {
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
-        let lease_ms = i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX);
-        let rows = self
-            .query(
-                &self.sql.claim,
-                &[
-                    &&*request.source,
-                    &request.key,
-                    &&request.payload_sha256[..],
-                    &lease_ms,
-                ],
-            )
-            .await?;
-        Ok(match rows.first() {
-            Some(row) => claim_from_row(row, &request.payload_sha256),
-            None => Claim::InFlight {
-                payload_mismatch: false,
-            },
-        })
+        self.batches().claims.call(request.clone()).await
     }
 
     async fn settle(
@@ -216,22 +253,13 @@ impl Backend for PostgresStore {
         attempt: i32,
         settlement: Settlement,
     ) -> Result<bool, StoreError> {
-        let response_status = settlement
-            .response_status
-            .map(|status| i16::try_from(status).unwrap_or(i16::MAX));
-        let updated = self
-            .execute(
-                &self.sql.settle,
-                &[
-                    &source,
-                    &key,
-                    &attempt,
-                    &settlement.status.as_str(),
-                    &response_status,
-                ],
-            )
-            .await?;
-        Ok(updated == 1)
+        let request = SettleRequest {
+            source: source.to_owned(),
+            key: key.to_owned(),
+            attempt,
+            settlement,
+        };
+        self.batches().settles.call(request).await
     }
 
     async fn list(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
@@ -255,12 +283,157 @@ impl Backend for PostgresStore {
     }
 }
 
+/// What a batch needs of the store, owned so batches can run on their own.
+#[derive(Clone)]
+struct BatchRunner {
+    pool: Pool,
+    sql: Arc<Statements>,
+    statement_cache: bool,
+}
+
+impl BatchRunner {
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let client = self
+            .pool
+            .get()
+            .await
+            .map_err(|error| StoreError::Postgres(error.to_string()))?;
+        let rows = if self.statement_cache {
+            let statement = client.prepare_cached(sql).await.map_err(postgres_error)?;
+            client.query(&statement, params).await
+        } else {
+            client.query(sql, params).await
+        };
+        rows.map_err(postgres_error)
+    }
+
+    /// Claims a batch. A key queued twice is claimed again in a later round,
+    /// after the first claim's outcome is committed, since one statement
+    /// cannot decide the same key twice.
+    async fn claim_batch(self, requests: Vec<ClaimRequest>) -> Vec<Result<Claim, StoreError>> {
+        let mut claims: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
+        let mut pending: Vec<usize> = (0..requests.len()).collect();
+        while !pending.is_empty() {
+            let mut keys = HashSet::new();
+            let (round, later): (Vec<usize>, Vec<usize>) = pending
+                .into_iter()
+                .partition(|&i| keys.insert((&*requests[i].source, requests[i].key.as_str())));
+            let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
+            for (slot, claim) in round.iter().zip(self.claim_isolated(&round_requests).await) {
+                claims[*slot] = Some(claim);
+            }
+            pending = later;
+        }
+        claims
+            .into_iter()
+            .map(|claim| claim.expect("every key claimed"))
+            .collect()
+    }
+
+    /// One statement for the round; if the database refuses it (rather than
+    /// being unreachable), each key is retried alone, so that a row it cannot
+    /// take fails only its own request.
+    async fn claim_isolated(&self, requests: &[&ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
+        match self.claim_round(requests).await {
+            Ok(claims) => claims.into_iter().map(Ok).collect(),
+            Err(StoreError::Refused(_)) if requests.len() > 1 => {
+                let mut claims = Vec::with_capacity(requests.len());
+                for request in requests {
+                    let claim = self.claim_round(&[request]).await;
+                    claims.push(claim.map(|mut one| one.remove(0)));
+                }
+                claims
+            }
+            Err(error) => vec![Err(error); requests.len()],
+        }
+    }
+
+    async fn claim_round(&self, requests: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        let sources: Vec<&str> = requests.iter().map(|r| &*r.source).collect();
+        let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+        let hashes: Vec<&[u8]> = requests.iter().map(|r| &r.payload_sha256[..]).collect();
+        let leases: Vec<i64> = requests
+            .iter()
+            .map(|r| i64::try_from(r.lease.as_millis()).unwrap_or(i64::MAX))
+            .collect();
+        let rows = self
+            .query(&self.sql.claim, &[&sources, &keys, &hashes, &leases])
+            .await?;
+        let mut claims = vec![None; requests.len()];
+        for row in &rows {
+            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            if let Some(slot) = claims.get_mut(index) {
+                *slot = Some(claim_from_row(row, &requests[index].payload_sha256));
+            }
+        }
+        claims
+            .into_iter()
+            .map(|claim| {
+                claim.ok_or_else(|| StoreError::Postgres("a claim got no result row".into()))
+            })
+            .collect()
+    }
+
+    /// Settles a batch; as with claims, a refused statement is retried one
+    /// key at a time.
+    async fn settle_batch(self, requests: Vec<SettleRequest>) -> Vec<Result<bool, StoreError>> {
+        let all: Vec<&SettleRequest> = requests.iter().collect();
+        match self.settle_round(&all).await {
+            Ok(settled) => settled.into_iter().map(Ok).collect(),
+            Err(StoreError::Refused(_)) if requests.len() > 1 => {
+                let mut settled = Vec::with_capacity(requests.len());
+                for request in &requests {
+                    settled.push(self.settle_round(&[request]).await.map(|one| one[0]));
+                }
+                settled
+            }
+            Err(error) => vec![Err(error); requests.len()],
+        }
+    }
+
+    async fn settle_round(&self, requests: &[&SettleRequest]) -> Result<Vec<bool>, StoreError> {
+        let sources: Vec<&str> = requests.iter().map(|r| r.source.as_str()).collect();
+        let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+        let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
+        let statuses: Vec<&str> = requests
+            .iter()
+            .map(|r| r.settlement.status.as_str())
+            .collect();
+        let response_statuses: Vec<Option<i16>> = requests
+            .iter()
+            .map(|r| {
+                r.settlement
+                    .response_status
+                    .map(|s| i16::try_from(s).unwrap_or(i16::MAX))
+            })
+            .collect();
+        let rows = self
+            .query(
+                &self.sql.settle,
+                &[&sources, &keys, &attempts, &statuses, &response_statuses],
+            )
+            .await?;
+        let mut settled = vec![false; requests.len()];
+        for row in &rows {
+            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            if let Some(slot) = settled.get_mut(index) {
+                *slot = true;
+            }
+        }
+        Ok(settled)
+    }
+}
+
 fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
-    let won: bool = row.get(0);
-    let attempt: i32 = row.get(1);
-    let stored_sha: Option<&[u8]> = row.get(2);
-    let prior_status: Option<&str> = row.get(3);
-    let age_seconds: f64 = row.get(4);
+    let won: bool = row.get(1);
+    let attempt: i32 = row.get(2);
+    let stored_sha: Option<&[u8]> = row.get(3);
+    let prior_status: Option<&str> = row.get(4);
+    let age_seconds: f64 = row.get(5);
     let payload_mismatch = stored_sha.is_some_and(|stored| stored != payload_sha256);
     match (won, prior_status) {
         (true, prior) => Claim::Won {
@@ -281,8 +454,14 @@ fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
 }
 
 fn postgres_error(error: tokio_postgres::Error) -> StoreError {
-    if error.code() == Some(&SqlState::UNDEFINED_TABLE) {
-        return StoreError::MissingTable;
+    match error.code() {
+        Some(&SqlState::UNDEFINED_TABLE) => StoreError::MissingTable,
+        // The server answered and refused this statement (bad data, deadlock,
+        // serialization); connection and shutdown classes aside, the
+        // connection itself is fine.
+        Some(code) if !code.code().starts_with("08") && !code.code().starts_with("57") => {
+            StoreError::Refused(error.to_string())
+        }
+        _ => StoreError::Postgres(error.to_string()),
     }
-    StoreError::Postgres(error.to_string())
 }

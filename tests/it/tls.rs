@@ -94,6 +94,7 @@ impl TlsClient {
             .header("x-event-id", key)
             .body(Full::new(Bytes::from_static(b"{}")))
             .unwrap();
+        self.sender.ready().await.expect("connection open");
         let response = self.sender.send_request(request).await.expect("response");
         let status = response.status().as_u16();
         let outcome = response.headers()["x-dedupe-outcome"]

@@ -1,0 +1,189 @@
+//! The coalesced claim and settle path: many concurrent requests share a
+//! statement and a commit without weakening any per-key guarantee.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dedupe_proxy::config::StoreConfig;
+use dedupe_proxy::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
+
+use crate::on_both_stores;
+use crate::support::{Backend, Relay, TestStore};
+
+on_both_stores!(
+    keys_repeated_within_a_batch_are_each_won_exactly_once,
+    concurrent_settles_are_each_fenced_by_their_own_attempt,
+);
+
+fn request(key: &str) -> ClaimRequest {
+    ClaimRequest {
+        source: Arc::from("src"),
+        key: key.into(),
+        payload_sha256: [7; 32],
+        lease: Duration::from_secs(60),
+    }
+}
+
+async fn open(url: &str) -> Store {
+    let config = StoreConfig {
+        url: url.into(),
+        ..StoreConfig::default()
+    };
+    let store = Store::open(&config).expect("open store");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// Claims every key concurrently, so they coalesce into shared batches.
+async fn claim_all(store: &Store, keys: &[String]) -> Vec<(String, Result<Claim, String>)> {
+    let calls: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move {
+                let claim = store.claim(&request(&key)).await.map_err(|e| e.to_string());
+                (key, claim)
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for call in calls {
+        results.push(call.await.unwrap());
+    }
+    results
+}
+
+async fn keys_repeated_within_a_batch_are_each_won_exactly_once(backend: Backend) {
+    let test_store = TestStore::new(backend).await;
+    let store = open(&test_store.url).await;
+    let keys: Vec<String> = (0..300).map(|i| format!("k{}", i % 30)).collect();
+    let mut wins: HashMap<String, usize> = HashMap::new();
+    for (key, claim) in claim_all(&store, &keys).await {
+        match claim.unwrap() {
+            Claim::Won { attempt: 1, .. } => *wins.entry(key).or_default() += 1,
+            Claim::InFlight {
+                payload_mismatch: false,
+            } => {}
+            other => panic!("{key}: unexpected {other:?}"),
+        }
+    }
+    assert_eq!(wins.len(), 30, "every key won once: {wins:?}");
+    assert!(wins.values().all(|&n| n == 1), "{wins:?}");
+}
+
+async fn concurrent_settles_are_each_fenced_by_their_own_attempt(backend: Backend) {
+    let test_store = TestStore::new(backend).await;
+    let store = open(&test_store.url).await;
+    let keys: Vec<String> = (0..100).map(|i| format!("s{i}")).collect();
+    for (_, claim) in claim_all(&store, &keys).await {
+        assert!(matches!(claim.unwrap(), Claim::Won { attempt: 1, .. }));
+    }
+    // Half the settles carry the owner's attempt, half a stale one.
+    let settles: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let (store, key) = (store.clone(), key.clone());
+            let attempt = if i % 2 == 0 { 1 } else { 2 };
+            tokio::spawn(async move {
+                let done = Settlement {
+                    status: SettledStatus::Done,
+                    response_status: Some(200),
+                };
+                (
+                    attempt,
+                    store.settle("src", &key, attempt, done).await.unwrap(),
+                )
+            })
+        })
+        .collect();
+    for settle in settles {
+        let (attempt, written) = settle.await.unwrap();
+        assert_eq!(written, attempt == 1, "only the owning attempt settles");
+    }
+    for (index, (_, claim)) in claim_all(&store, &keys).await.into_iter().enumerate() {
+        let claim = claim.unwrap();
+        if index % 2 == 0 {
+            assert!(matches!(claim, Claim::Done { .. }), "{claim:?}");
+        } else {
+            assert!(matches!(claim, Claim::InFlight { .. }), "{claim:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_database_refuses_fails_alone() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    // PostgreSQL text cannot hold NUL: that row fails, the others must not.
+    let mut keys: Vec<String> = (0..40).map(|i| format!("good{i}")).collect();
+    keys.insert(20, "bad\0key".into());
+    for (key, claim) in claim_all(&store, &keys).await {
+        if key.contains('\0') {
+            assert!(claim.is_err(), "the refused key fails");
+        } else {
+            assert!(
+                matches!(claim, Ok(Claim::Won { attempt: 1, .. })),
+                "{key}: {claim:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_mid_batch_never_yields_two_owners() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let relay = Relay::start(test_store.postgres_addr(), true).await;
+    let url = test_store.url_via(relay.addr);
+    let store = open(&url).await;
+    let keys: Vec<String> = (0..400).map(|i| format!("o{}", i % 100)).collect();
+    let claims = tokio::spawn({
+        let store = store.clone();
+        async move { claim_all(&store, &keys).await }
+    });
+    relay.cut().await;
+    let results = claims.await.unwrap();
+    relay.restore();
+
+    let mut owners: HashMap<String, i32> = HashMap::new();
+    for (key, claim) in &results {
+        if let Ok(Claim::Won { attempt, .. }) = claim {
+            assert!(
+                owners.insert(key.clone(), *attempt).is_none(),
+                "{key} won twice"
+            );
+        }
+    }
+    // Every reported owner really holds its key; keys whose claim errored are
+    // either absent or held (committed before the connection broke), never
+    // owned twice.
+    let client = test_store.postgres().await;
+    let rows = client
+        .query(
+            "SELECT event_id, status, attempts FROM processed_events",
+            &[],
+        )
+        .await
+        .unwrap();
+    let stored: HashMap<String, (String, i32)> = rows
+        .iter()
+        .map(|row| (row.get(0), (row.get(1), row.get(2))))
+        .collect();
+    for (key, (status, attempts)) in &stored {
+        assert_eq!((status.as_str(), *attempts), ("processing", 1), "{key}");
+    }
+    for (key, attempt) in &owners {
+        assert_eq!(
+            stored.get(key).map(|(_, attempts)| attempts),
+            Some(attempt),
+            "{key}'s owner holds it"
+        );
+    }
+    let failed = results.iter().filter(|(_, claim)| claim.is_err()).count();
+    println!(
+        "outage mid-batch: {} won, {failed} failed of {}",
+        owners.len(),
+        results.len()
+    );
+}
