@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use super::{
@@ -18,7 +18,23 @@ use super::{
 };
 use crate::config::StoreConfig;
 
-type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+/// Work for the store's thread.
+enum Job {
+    /// Runs on its own, managing its own transaction.
+    Alone(Box<dyn FnOnce(&mut Connection) + Send>),
+    /// Joins a group commit: claims and settles queued together share one
+    /// transaction and one fsync, each inside its own savepoint, and are
+    /// answered only once the group has committed.
+    Grouped(Grouped),
+}
+
+/// Runs a grouped job (or learns that the group could not begin) and returns
+/// what answers it once the commit's fate is known.
+type Grouped = Box<dyn FnOnce(Result<&Connection, &str>) -> Answer + Send>;
+type Answer = Box<dyn FnOnce(Result<(), &str>) + Send>;
+
+/// Most jobs one group commit takes.
+const MAX_GROUP: usize = 256;
 
 /// Claims recorded in an SQLite file.
 pub struct SqliteStore {
@@ -108,12 +124,7 @@ impl SqliteStore {
         let (jobs, queue) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("dedupe-sqlite".into())
-            .spawn(move || {
-                let mut connection = connection;
-                for job in queue {
-                    job(&mut connection);
-                }
-            })
+            .spawn(move || serve(connection, &queue))
             .map_err(|error| StoreError::Sqlite(error.to_string()))?;
         Ok(Self {
             jobs,
@@ -122,22 +133,115 @@ impl SqliteStore {
         })
     }
 
-    /// Runs `work` on the store's thread.
+    /// Runs `work` on the store's thread, on its own.
     async fn call<T: Send + 'static>(
         &self,
         work: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (reply, result) = oneshot::channel();
-        let job: Job = Box::new(move |connection| {
-            let _ = reply.send(work(connection));
-        });
-        self.jobs
-            .send(job)
-            .map_err(|_| StoreError::Sqlite("the store thread has stopped".into()))?;
-        result
-            .await
-            .map_err(|_| StoreError::Sqlite("the store thread has stopped".into()))?
-            .map_err(sqlite_error)
+        let job = Job::Alone(Box::new(move |connection| {
+            let _ = reply.send(work(connection).map_err(sqlite_error));
+        }));
+        self.jobs.send(job).map_err(|_| stopped())?;
+        result.await.map_err(|_| stopped())?
+    }
+
+    /// Runs `work` on the store's thread as part of a group commit; the
+    /// result is returned only once it is durable.
+    async fn call_grouped<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (reply, result) = oneshot::channel();
+        let job = Job::Grouped(Box::new(move |connection| {
+            let outcome = match connection {
+                Ok(connection) => in_savepoint(connection, work).map_err(sqlite_error),
+                Err(error) => Err(StoreError::Sqlite(format!("cannot begin: {error}"))),
+            };
+            Box::new(move |committed: Result<(), &str>| {
+                let answer = match committed {
+                    Ok(()) => outcome,
+                    Err(error) => Err(StoreError::Sqlite(format!("commit failed: {error}"))),
+                };
+                let _ = reply.send(answer);
+            })
+        }));
+        self.jobs.send(job).map_err(|_| stopped())?;
+        result.await.map_err(|_| stopped())?
+    }
+}
+
+fn stopped() -> StoreError {
+    StoreError::Sqlite("the store thread has stopped".into())
+}
+
+/// The store thread: runs jobs in order, gathering consecutive grouped jobs
+/// into one transaction.
+fn serve(mut connection: Connection, queue: &mpsc::Receiver<Job>) {
+    let mut next = None;
+    loop {
+        let job = match next.take() {
+            Some(job) => job,
+            None => match queue.recv() {
+                Ok(job) => job,
+                Err(_) => return,
+            },
+        };
+        match job {
+            Job::Alone(work) => work(&mut connection),
+            Job::Grouped(first) => {
+                let mut group = vec![first];
+                while group.len() < MAX_GROUP {
+                    match queue.try_recv() {
+                        Ok(Job::Grouped(job)) => group.push(job),
+                        Ok(other) => {
+                            next = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                commit_group(&connection, group);
+            }
+        }
+    }
+}
+
+fn commit_group(connection: &Connection, group: Vec<Grouped>) {
+    // IMMEDIATE takes the write lock first, so every read in the group sees
+    // the rows its own statement then decides on.
+    if let Err(error) = connection.execute_batch("BEGIN IMMEDIATE") {
+        let error = error.to_string();
+        for job in group {
+            job(Err(&error))(Err(&error));
+        }
+        return;
+    }
+    let answers: Vec<Answer> = group.into_iter().map(|job| job(Ok(connection))).collect();
+    let committed = connection.execute_batch("COMMIT").map_err(|error| {
+        let _ = connection.execute_batch("ROLLBACK");
+        error.to_string()
+    });
+    for answer in answers {
+        answer(committed.as_ref().map(|_| ()).map_err(String::as_str));
+    }
+}
+
+/// Runs `work` so that its failure undoes only its own writes.
+fn in_savepoint<T>(
+    connection: &Connection,
+    work: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+) -> rusqlite::Result<T> {
+    connection.execute_batch("SAVEPOINT job")?;
+    match work(connection) {
+        Ok(value) => {
+            connection.execute_batch("RELEASE job")?;
+            Ok(value)
+        }
+        Err(error) => {
+            connection.execute_batch("ROLLBACK TO job; RELEASE job")?;
+            Err(error)
+        }
     }
 }
 
@@ -192,15 +296,13 @@ impl Backend for SqliteStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
         let (prior_sql, claim_sql) = (self.sql.prior.clone(), self.sql.claim.clone());
         let request = request.clone();
-        self.call(move |connection| {
+        self.call_grouped(move |connection| {
             let now = now_ms();
             let lease_ms = i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX);
-            // IMMEDIATE takes the write lock first, so the prior read (which
-            // only classifies the result) and the claim see the same row.
-            let transaction =
-                connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let source: &str = &request.source;
-            let prior = transaction
+            // Only classifies the result; the INSERT below decides, and no
+            // other writer can run in between (the group holds the write lock).
+            let prior = connection
                 .prepare_cached(&prior_sql)?
                 .query_row(params![source, request.key], |row| {
                     Ok(Prior {
@@ -210,7 +312,7 @@ impl Backend for SqliteStore {
                     })
                 })
                 .optional()?;
-            let won: Option<i32> = transaction
+            let won: Option<i32> = connection
                 .prepare_cached(&claim_sql)?
                 .query_row(
                     params![
@@ -223,7 +325,6 @@ impl Backend for SqliteStore {
                     |row| row.get(0),
                 )
                 .optional()?;
-            transaction.commit()?;
             Ok(classify(won, prior, &request.payload_sha256, now))
         })
         .await
@@ -238,7 +339,7 @@ impl Backend for SqliteStore {
     ) -> Result<bool, StoreError> {
         let sql = self.sql.settle.clone();
         let (source, key) = (source.to_owned(), key.to_owned());
-        self.call(move |connection| {
+        self.call_grouped(move |connection| {
             let updated = connection.prepare_cached(&sql)?.execute(params![
                 source,
                 key,
