@@ -27,7 +27,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(CONFIG_ERROR);
         }
     };
-    telemetry::init(cli.log_format, &config.log_level);
+    let _log_writer = telemetry::init(cli.log_format, &config.log_level);
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }

@@ -1,6 +1,8 @@
 //! Logging set-up: `tracing` to stderr, text or JSON, filtered by `RUST_LOG`
-//! when set and by `log_level` otherwise.
+//! when set and by `log_level` otherwise. Lines are written by a background
+//! thread, so a slow stderr never stalls a request; none are dropped.
 
+use tracing_appender::non_blocking::WorkerGuard;
 use tracing_subscriber::EnvFilter;
 
 /// The log line format.
@@ -13,16 +15,22 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global subscriber; later calls are ignored.
-pub fn init(format: LogFormat, log_level: &str) {
+/// Installs the global subscriber; later calls are ignored. Keep the guard
+/// until exit: dropping it flushes the lines not yet written.
+#[must_use = "dropping the guard stops the log writer"]
+pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(log_level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(false)
+        .finish(std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    guard
 }
