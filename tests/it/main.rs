@@ -12,6 +12,7 @@ mod metrics;
 mod postgres_tls;
 mod prometheus;
 mod prune;
+mod recovery;
 mod rejections;
 mod rows;
 mod signatures;
