@@ -1,6 +1,7 @@
 //! Integration tests: the real proxy in front of a real HTTP upstream, on a
 //! real PostgreSQL and a real SQLite file. Scenarios run on both stores.
 
+mod chaos;
 mod cli;
 mod delivery;
 mod exposition;
