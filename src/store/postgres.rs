@@ -1,17 +1,19 @@
 //! The PostgreSQL backend: a deadpool pool of tokio-postgres connections, the
 //! schema of SPEC section 2, and the claim as one data-modifying statement.
 //! Holds no session state between transactions, so it works through a
-//! transaction-pooling PgBouncer. The operator's statements are in
-//! `postgres/keys.rs`.
+//! transaction-pooling PgBouncer: named prepared statements only for the
+//! claim and the settle, and only while they work (see [`Params`]). The
+//! operator's statements are in `postgres/keys.rs`.
 
 mod keys;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 
 use super::{
     Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
@@ -26,6 +28,9 @@ pub struct PostgresStore {
     keys: keys::Statements,
     table: String,
     statement_cache: bool,
+    /// Set when named statements turned out not to survive the way to the
+    /// server; every statement is unnamed from then on.
+    named_statements_lost: AtomicBool,
 }
 
 struct Statements {
@@ -85,7 +90,8 @@ impl Statements {
             settle: format!(
                 "UPDATE {table}
                     SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
-                  WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3"
+                  WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3
+                 RETURNING 1"
             ),
         }
     }
@@ -123,6 +129,7 @@ impl PostgresStore {
             keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
             statement_cache: config.statement_cache,
+            named_statements_lost: AtomicBool::new(false),
         })
     }
 
@@ -133,31 +140,87 @@ impl PostgresStore {
             .map_err(|error| StoreError::Postgres(error.to_string()))
     }
 
-    async fn query(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError> {
+    /// Runs a claim or settle statement: a cached named statement, or with
+    /// `statement_cache: false` (or once named statements were lost) an
+    /// unnamed one.
+    async fn query(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
         let client = self.client().await?;
-        let rows = if self.statement_cache {
-            let statement = client.prepare_cached(sql).await.map_err(postgres_error)?;
-            client.query(&statement, params).await
-        } else {
-            client.query(sql, params).await
-        };
-        rows.map_err(postgres_error)
+        if self.named_statements() {
+            let named = async {
+                let statement = client.prepare_typed_cached(sql, &types(params)).await?;
+                client.query(&statement, &values(params)).await
+            };
+            match named.await {
+                Err(error) if lost_named_statement(&error) => self.lose_named_statements(&error),
+                rows => return rows.map_err(postgres_error),
+            }
+        }
+        client
+            .query_typed(sql, params)
+            .await
+            .map_err(postgres_error)
     }
 
-    async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
+    /// Runs an operator's one-off statement, always unnamed: caching gains
+    /// nothing there, and an unnamed statement cannot meet another client's
+    /// statement of the same name on a pooled server connection.
+    async fn query_unnamed(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
         let client = self.client().await?;
-        let count = if self.statement_cache {
-            let statement = client.prepare_cached(sql).await.map_err(postgres_error)?;
-            client.execute(&statement, params).await
-        } else {
-            client.execute(sql, params).await
-        };
-        count.map_err(postgres_error)
+        client
+            .query_typed(sql, params)
+            .await
+            .map_err(postgres_error)
     }
+
+    fn named_statements(&self) -> bool {
+        self.statement_cache && !self.named_statements_lost.load(Ordering::Relaxed)
+    }
+
+    fn lose_named_statements(&self, error: &tokio_postgres::Error) {
+        if !self.named_statements_lost.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                %error,
+                "named prepared statements do not survive the way to the server (a \
+                 transaction-pooling PgBouncer older than 1.21?); using unnamed statements \
+                 from now on: set store.statement_cache: false"
+            );
+        }
+    }
+}
+
+/// Whether the error says a named statement was not on the server connection
+/// the statement reached, or another one had its name: what a transaction
+/// pooler that does not track prepared statements does to them. The statement
+/// did not run, so running it again unnamed is safe.
+fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
+    [
+        SqlState::INVALID_SQL_STATEMENT_NAME,
+        SqlState::DUPLICATE_PSTATEMENT,
+        SqlState::PROTOCOL_VIOLATION,
+    ]
+    .iter()
+    .any(|code| error.code() == Some(code))
+}
+
+/// A statement's parameters with their types.
+///
+/// Given the types, an unnamed statement is parsed, bound and run in one
+/// round trip, so it never leaves the server connection it started on. That
+/// is the only form a transaction-pooling PgBouncer without prepared
+/// statement support (before 1.21) can carry: it may run each round trip on
+/// another server connection, where a named statement prepared in an earlier
+/// one does not exist, or another client's statement has the same name.
+/// Statements inside transactions and the operator's statements are always
+/// unnamed; `statement_cache` chooses for the claim and the settle, and a
+/// named statement that turns out lost switches the store to unnamed ones.
+pub(super) type Params<'a> = [(&'a (dyn ToSql + Sync), Type)];
+
+fn types(params: &Params<'_>) -> Vec<Type> {
+    params.iter().map(|(_, ty)| ty.clone()).collect()
+}
+
+fn values<'a>(params: &'a Params<'a>) -> Vec<&'a (dyn ToSql + Sync)> {
+    params.iter().map(|(value, _)| *value).collect()
 }
 
 impl Backend for PostgresStore {
@@ -166,9 +229,9 @@ impl Backend for PostgresStore {
         let transaction = client.transaction().await.map_err(postgres_error)?;
         // Transaction-scoped, so the lock cannot leak through a pooler.
         transaction
-            .execute(
+            .execute_typed(
                 "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-                &[&format!("dedupe-proxy migrate {}", self.table)],
+                &[(&format!("dedupe-proxy migrate {}", self.table), Type::TEXT)],
             )
             .await
             .map_err(postgres_error)?;
@@ -194,10 +257,10 @@ impl Backend for PostgresStore {
             .query(
                 &self.sql.claim,
                 &[
-                    &&*request.source,
-                    &request.key,
-                    &&request.payload_sha256[..],
-                    &lease_ms,
+                    (&&*request.source, Type::TEXT),
+                    (&request.key, Type::TEXT),
+                    (&&request.payload_sha256[..], Type::BYTEA),
+                    (&lease_ms, Type::INT8),
                 ],
             )
             .await?;
@@ -220,18 +283,18 @@ impl Backend for PostgresStore {
             .response_status
             .map(|status| i16::try_from(status).unwrap_or(i16::MAX));
         let updated = self
-            .execute(
+            .query(
                 &self.sql.settle,
                 &[
-                    &source,
-                    &key,
-                    &attempt,
-                    &settlement.status.as_str(),
-                    &response_status,
+                    (&source, Type::TEXT),
+                    (&key, Type::TEXT),
+                    (&attempt, Type::INT4),
+                    (&settlement.status.as_str(), Type::TEXT),
+                    (&response_status, Type::INT2),
                 ],
             )
             .await?;
-        Ok(updated == 1)
+        Ok(updated.len() == 1)
     }
 
     async fn list(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
