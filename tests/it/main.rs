@@ -10,6 +10,7 @@ mod keys;
 mod lifecycle;
 mod logs;
 mod metrics;
+mod pgbouncer;
 mod postgres_tls;
 mod prometheus;
 mod prune;
