@@ -20,6 +20,7 @@ use super::{
     Settlement, StoreError, WonFrom,
 };
 use crate::config::StoreConfig;
+use crate::error_chain;
 
 /// Claims recorded in PostgreSQL.
 pub struct PostgresStore {
@@ -122,7 +123,7 @@ impl PostgresStore {
             .create_timeout(Some(config.timeout))
             .recycle_timeout(Some(config.timeout))
             .build()
-            .map_err(|error| StoreError::Postgres(error.to_string()))?;
+            .map_err(|error| StoreError::Postgres(error_chain(&error)))?;
         Ok(Self {
             pool,
             sql: Statements::new(&config.table),
@@ -137,7 +138,7 @@ impl PostgresStore {
         self.pool
             .get()
             .await
-            .map_err(|error| StoreError::Postgres(error.to_string()))
+            .map_err(|error| StoreError::Postgres(error_chain(&error)))
     }
 
     /// Runs a claim or settle statement: a cached named statement, or with
@@ -347,5 +348,5 @@ fn postgres_error(error: tokio_postgres::Error) -> StoreError {
     if error.code() == Some(&SqlState::UNDEFINED_TABLE) {
         return StoreError::MissingTable;
     }
-    StoreError::Postgres(error.to_string())
+    StoreError::Postgres(error_chain(&error))
 }
