@@ -456,7 +456,8 @@ impl Proxy {
                         return;
                     }
                     Ok(false) => {
-                        tracing::warn!(route = &*claim.source, key = %claim.key, attempt, "claim was taken over after its lease expired; outcome not recorded");
+                        // An earlier try may have been written with its reply lost.
+                        tracing::warn!(route = &*claim.source, key = %claim.key, attempt, "settle in the background found the claim no longer processing under this attempt: written by an earlier try, or taken over after its lease expired");
                         drop(guard);
                         return;
                     }

@@ -1,8 +1,8 @@
 //! Chaos: several real proxy binaries on one PostgreSQL database in front of
 //! one application, fed by a simulated provider that delivers every event
-//! until it is acknowledged, while replicas are SIGKILLed and restarted, the
-//! store is cut off and its connections terminated, and the application
-//! fails, hangs and stalls. Then a checker reads the application's record of
+//! until it is acknowledged, while replicas are SIGKILLed (or SIGTERMed) and
+//! restarted, the store is cut off and its connections terminated, and the
+//! application fails, hangs and stalls. Then a checker reads the application's record of
 //! what it did (see `chaos/checker.rs` for what is and is not guaranteed).
 //!
 //! The run is seeded: the seed is printed, and `DEDUPE_CHAOS_SEED=<seed>`
@@ -145,8 +145,9 @@ async fn run(size: Size) {
         "chaos figures: seed={seed} replicas={} events={} acknowledged={} deliveries={} \
          forwarded_2xx={} duplicates_suppressed={} in_flight={} unavailable_503={} \
          upstream_errors={} forwarded_5xx={} transport_errors={} duplicate_sends={} replays={} \
-         crashes={} store_cuts={} backend_terminations={} upstream_stalls={} effects={} \
-         acted_on={} double_effects_crash={} double_effects_store={} violations={}",
+         crashes={} graceful_restarts={} store_cuts={} backend_terminations={} upstream_stalls={} effects={} \
+         acted_on={} double_effects_crash_during_upstream={} \
+         double_effects_crash_after_2xx={} double_effects_store={} violations={}",
         size.replicas,
         verdicts.events,
         verdicts.acknowledged,
@@ -161,12 +162,14 @@ async fn run(size: Size) {
         get(&tally.duplicate_copies),
         get(&tally.replays),
         faults.crashes.load(Ordering::Relaxed),
+        faults.graceful_restarts.load(Ordering::Relaxed),
         faults.store_cuts.load(Ordering::Relaxed),
         faults.backend_terminations.load(Ordering::Relaxed),
         faults.upstream_stalls.load(Ordering::Relaxed),
         verdicts.effects,
         verdicts.acted_on,
-        verdicts.unrecorded_crash,
+        verdicts.unrecorded_crash_during_upstream,
+        verdicts.unrecorded_crash_after_answer,
         verdicts.unrecorded_store,
         verdicts.violations.len(),
     );

@@ -12,8 +12,9 @@
 //! Not guaranteed, and counted apart: the application acted (answered 2xx)
 //! but the `done` settle was never written, so after the lease the key was
 //! claimed and forwarded again. Two causes exist by design:
-//! - *crash*: the replica was SIGKILLed while the application was working or
-//!   between its 2xx and the settle;
+//! - *crash*: the replica was SIGKILLed while the application was working
+//!   (it finished after the proxy died) or between the application's 2xx and
+//!   the settle, counted apart;
 //! - *store*: the settle failed (store cut off) and its background retries
 //!   were not written before the lease had expired and another delivery had
 //!   taken the key over (or before the replica was killed).
@@ -68,7 +69,11 @@ impl LogIndex {
 
 /// Why an event was acted on more than once.
 enum Cause {
-    Crash,
+    /// The replica was killed while the application was still working.
+    CrashDuringUpstream,
+    /// The replica was killed after the application had answered 2xx,
+    /// before the settle was written.
+    CrashAfterAnswer,
     Store,
     Unexplained(String),
 }
@@ -79,7 +84,8 @@ pub struct Verdicts {
     pub acknowledged: usize,
     pub acted_on: usize,
     pub effects: usize,
-    pub unrecorded_crash: usize,
+    pub unrecorded_crash_during_upstream: usize,
+    pub unrecorded_crash_after_answer: usize,
     pub unrecorded_store: usize,
     /// One line per double effect counted as crash or store.
     pub explained: Vec<String>,
@@ -175,10 +181,16 @@ fn check_event(
             pair[0].attempt, pair[0].replica, pair[1].attempt, pair[1].replica
         );
         match cause(pair[0], index, logs) {
-            Cause::Crash => {
-                verdicts.unrecorded_crash += 1;
+            Cause::CrashDuringUpstream => {
+                verdicts.unrecorded_crash_during_upstream += 1;
                 verdicts.explained.push(format!(
-                    "{what}: the first replica was killed before its settle was written"
+                    "{what}: the first replica was killed while the application worked"
+                ));
+            }
+            Cause::CrashAfterAnswer => {
+                verdicts.unrecorded_crash_after_answer += 1;
+                verdicts.explained.push(format!(
+                    "{what}: the first replica was killed between the application's 2xx and its settle"
                 ));
             }
             Cause::Store => {
@@ -205,7 +217,7 @@ fn cause(first: &Record, index: &LogIndex, logs: &BTreeMap<String, ProcessLog>) 
         first.key.clone().unwrap_or_default(),
         i64::from(first.attempt.unwrap_or(0)),
     );
-    let killed = logs.get(&tag).is_some_and(|log| log.killed);
+    let killed_at = logs.get(&tag).and_then(|log| log.killed_at);
     if index.settle_failed.contains(&entry) {
         return if index.settled_later.contains(&entry) {
             Cause::Unexplained(format!("{tag} settled it done in the background"))
@@ -219,12 +231,12 @@ fn cause(first: &Record, index: &LogIndex, logs: &BTreeMap<String, ProcessLog>) 
         ));
     }
     if !index.answered.contains(&entry) {
-        return if killed {
-            Cause::Crash
-        } else {
-            Cause::Unexplained(format!(
+        return match killed_at {
+            Some(at) if at < first.answered => Cause::CrashDuringUpstream,
+            Some(_) => Cause::CrashAfterAnswer,
+            None => Cause::Unexplained(format!(
                 "{tag} never answered the delivery and was not killed"
-            ))
+            )),
         };
     }
     Cause::Unexplained(format!("{tag} settled it done"))

@@ -1,5 +1,6 @@
 //! The chaos schedule: two independent loops, so faults overlap as they do in
-//! production. One SIGKILLs a random replica and restarts it a moment later;
+//! production. One SIGKILLs a random replica (or now and then SIGTERMs it, as
+//! a rolling deployment does) and restarts it a moment later;
 //! the other cuts the replicas off from PostgreSQL (a relay cut, or
 //! `pg_terminate_backend` of their connections) or stalls the application.
 //! Pauses between faults are the schedule itself, drawn from the seed.
@@ -18,6 +19,7 @@ use crate::support::{Relay, TestStore};
 #[derive(Debug, Default)]
 pub struct FaultTally {
     pub crashes: AtomicU64,
+    pub graceful_restarts: AtomicU64,
     pub store_cuts: AtomicU64,
     pub backend_terminations: AtomicU64,
     pub upstream_stalls: AtomicU64,
@@ -49,7 +51,11 @@ impl Faults {
                 continue;
             }
             let victim = live[rng.below(live.len() as u64) as usize];
-            if self.replicas.kill(victim).await {
+            if rng.chance(0.25) {
+                if self.replicas.terminate(victim).await {
+                    self.tally.graceful_restarts.fetch_add(1, Ordering::Relaxed);
+                }
+            } else if self.replicas.kill(victim).await {
                 self.tally.crashes.fetch_add(1, Ordering::Relaxed);
             }
             tokio::time::sleep(rng.between(ms(200), ms(1500))).await;

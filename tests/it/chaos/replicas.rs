@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Mutex, RwLock};
+use std::time::Instant;
 
 use crate::cli::ProxyProcess;
 
@@ -25,7 +26,8 @@ struct Slot {
 /// What one process left behind.
 pub struct ProcessLog {
     pub lines: Vec<String>,
-    pub killed: bool,
+    /// When the SIGKILL was sent; `None` for a process that was SIGTERMed.
+    pub killed_at: Option<Instant>,
 }
 
 pub struct Replicas {
@@ -102,9 +104,15 @@ impl Replicas {
         self.stop(index, true).await
     }
 
-    /// Starts a new process in a slot that was killed.
+    /// Starts a new process in a slot that was stopped.
     pub async fn restart(&self, index: usize) {
         self.launch(index).await;
+    }
+
+    /// SIGTERMs the replica in `index` and waits for it to drain and exit,
+    /// as a rolling deployment does; false if it was down.
+    pub async fn terminate(&self, index: usize) -> bool {
+        self.stop(index, false).await
     }
 
     /// SIGTERMs every live replica and waits for it to exit; returns every
@@ -123,6 +131,7 @@ impl Replicas {
         let Some(mut process) = slot.process.take() else {
             return false;
         };
+        let killed_at = kill.then(Instant::now);
         if kill {
             process.kill().await;
         } else {
@@ -131,10 +140,7 @@ impl Replicas {
         let target = self.targets.write().unwrap()[index].take();
         let tag = target.expect("a live slot has a target").tag;
         let lines = process.all_log_lines().await;
-        let log = ProcessLog {
-            lines,
-            killed: kill,
-        };
+        let log = ProcessLog { lines, killed_at };
         self.logs.lock().unwrap().insert(tag, log);
         true
     }
