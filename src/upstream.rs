@@ -99,6 +99,10 @@ impl Upstream {
             .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
+            // A request that never left a pooled connection found closed
+            // (the upstream restarted) goes out again on a fresh one; one
+            // whose bytes were written is never resent: it fails (502).
+            .retry_canceled_requests(true)
             .build(connector);
         Ok(Self {
             client,

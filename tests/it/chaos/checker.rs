@@ -104,6 +104,11 @@ pub fn check(
         ..Verdicts::default()
     };
     let violations = &mut verdicts.violations;
+    if index.answered.is_empty() {
+        // The checker reads the proxies' log messages; renamed ones would
+        // leave it blind.
+        violations.push("no `webhook` log line was found in the replicas' logs".into());
+    }
 
     let mut by_key: HashMap<&str, Vec<&Record>> = HashMap::new();
     let mut claims_seen = HashSet::new();
