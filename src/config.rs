@@ -139,8 +139,10 @@ pub struct StoreConfig {
     /// Create or upgrade the schema at start-up.
     #[serde(default = "default_true")]
     pub migrate: bool,
-    /// Use named prepared statements; turn off behind a transaction-pooling
-    /// PgBouncer older than 1.21.
+    /// Use named prepared statements for the claim and the settle; turn off
+    /// behind a transaction-pooling PgBouncer older than 1.21 (a proxy that
+    /// finds its named statements lost switches to unnamed ones by itself,
+    /// with a warning).
     #[serde(default = "default_true")]
     pub statement_cache: bool,
 }

@@ -40,3 +40,16 @@ pub mod verify;
 
 pub use config::Config;
 pub use server::Application;
+
+/// An error and its causes, `: `-separated: libraries such as tokio-postgres
+/// keep the server's message in the cause, not in the error's own text.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -31,6 +31,11 @@ use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store, WonFro
 use crate::upstream::{DedupeHeaders, Peer, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
 
+/// The longest pause between background retries of a settle.
+const SETTLE_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
+/// The longest a settle is retried, whatever the retention.
+const SETTLE_RETRY_HORIZON: Duration = Duration::from_secs(30 * 86400);
+
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
     routes: Routes,
@@ -381,7 +386,8 @@ impl Proxy {
         guard.set_outcome(settlement);
         let settle_started = Instant::now();
         if !self.settle(&claim, attempt, settlement).await {
-            self.settle_in_background(claim, attempt, settlement, lease_deadline, guard);
+            let give_up_at = Instant::now() + route.retention.min(SETTLE_RETRY_HORIZON);
+            self.settle_in_background(claim, attempt, settlement, give_up_at, guard);
         }
         let settle_time = settle_started.elapsed();
         let answer = match result {
@@ -422,29 +428,46 @@ impl Proxy {
         }
     }
 
-    /// Retries a failed settle until the lease would expire anyway.
+    /// Retries a failed settle until it is written or fenced out. Past the
+    /// lease the write is still worth making: the fence keeps it off a new
+    /// owner's row, and until a delivery takes the key over it records an
+    /// effect that really happened, which is what keeps that delivery from
+    /// being forwarded again. Gives up after the route's retention, when the
+    /// key would be pruned anyway.
     fn settle_in_background(
         &self,
         claim: ClaimRequest,
         attempt: i32,
         settlement: Settlement,
-        lease_deadline: Instant,
+        give_up_at: Instant,
         guard: open_claims::ClaimGuard,
     ) {
         let store = self.store.clone();
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
             let mut delay = Duration::from_millis(100);
-            while Instant::now() + delay < lease_deadline {
+            while Instant::now() + delay < give_up_at {
                 tokio::time::sleep(delay).await;
                 let write = store.settle(&claim.source, &claim.key, attempt, settlement);
-                if metrics.time_store("settle", write).await.is_ok() {
-                    drop(guard);
-                    return;
+                match metrics.time_store("settle", write).await {
+                    Ok(true) => {
+                        tracing::info!(route = &*claim.source, key = %claim.key, attempt, status = settlement.status.as_str(), "settled in the background");
+                        drop(guard);
+                        return;
+                    }
+                    Ok(false) => {
+                        // An earlier try may have been written with its reply lost.
+                        tracing::warn!(route = &*claim.source, key = %claim.key, attempt, "settle in the background found the claim no longer processing under this attempt: written by an earlier try, or taken over after its lease expired");
+                        drop(guard);
+                        return;
+                    }
+                    Err(_) => {}
                 }
-                delay = (delay * 2).min(Duration::from_secs(5));
+                // Short, so the write lands soon after the store returns,
+                // before a retry of the event can take the key over.
+                delay = (delay * 2).min(SETTLE_RETRY_MAX_DELAY);
             }
-            tracing::error!(route = &*claim.source, key = %claim.key, attempt, "settle never succeeded; the key is reclaimable when its lease expires");
+            tracing::error!(route = &*claim.source, key = %claim.key, attempt, "settle never succeeded within the key's retention");
         });
     }
 

@@ -17,6 +17,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::config::UpstreamConfig;
+use crate::error_chain;
 use crate::tls::{self, TlsError};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 
@@ -98,6 +99,10 @@ impl Upstream {
             .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
+            // A request that never left a pooled connection found closed
+            // (the upstream restarted) goes out again on a fresh one; one
+            // whose bytes were written is never resent: it fails (502).
+            .retry_canceled_requests(true)
             .build(connector);
         Ok(Self {
             client,
@@ -206,17 +211,6 @@ fn strip_dedupe_headers(headers: &mut HeaderMap) {
     for name in forged {
         headers.remove(name);
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -1,19 +1,21 @@
 //! The PostgreSQL backend: a deadpool pool of tokio-postgres connections, the
 //! schema of SPEC section 2, and the claim as one data-modifying statement.
 //! Holds no session state between transactions, so it works through a
-//! transaction-pooling PgBouncer. The operator's statements are in
-//! `postgres/keys.rs`.
+//! transaction-pooling PgBouncer: named prepared statements only for the
+//! claim and the settle, and only while they work (see [`Params`]). The
+//! operator's statements are in `postgres/keys.rs`.
 
 mod keys;
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 
 use super::coalesce::Coalescer;
 use super::{
@@ -21,15 +23,24 @@ use super::{
     Settlement, StoreError, WonFrom,
 };
 use crate::config::StoreConfig;
+use crate::error_chain;
 
 /// Claims recorded in PostgreSQL.
 pub struct PostgresStore {
-    pool: Pool,
+    session: Arc<Session>,
     sql: Arc<Statements>,
     keys: keys::Statements,
     table: String,
-    statement_cache: bool,
     batches: OnceLock<Batches>,
+}
+
+/// The pool and how statements are sent through it, shared with the batches.
+struct Session {
+    pool: Pool,
+    statement_cache: bool,
+    /// Set when named statements turned out not to survive the way to the
+    /// server; every statement is unnamed from then on.
+    named_statements_lost: AtomicBool,
 }
 
 /// The coalescing queues, started on first use (they need a runtime).
@@ -149,24 +160,26 @@ impl PostgresStore {
             .create_timeout(Some(config.timeout))
             .recycle_timeout(Some(config.timeout))
             .build()
-            .map_err(|error| StoreError::Postgres(error.to_string()))?;
+            .map_err(|error| StoreError::Postgres(error_chain(&error)))?;
         Ok(Self {
-            pool,
+            session: Arc::new(Session {
+                pool,
+                statement_cache: config.statement_cache,
+                named_statements_lost: AtomicBool::new(false),
+            }),
             sql: Arc::new(Statements::new(&config.table)),
             keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
-            statement_cache: config.statement_cache,
             batches: OnceLock::new(),
         })
     }
 
     fn batches(&self) -> &Batches {
         self.batches.get_or_init(|| {
-            let connections = self.pool.status().max_size;
+            let connections = self.session.pool.status().max_size;
             let runner = BatchRunner {
-                pool: self.pool.clone(),
+                session: Arc::clone(&self.session),
                 sql: Arc::clone(&self.sql),
-                statement_cache: self.statement_cache,
             };
             let settle_runner = runner.clone();
             Batches {
@@ -181,37 +194,99 @@ impl PostgresStore {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.session.client().await
+    }
+
+    /// Runs an operator's one-off statement, always unnamed: caching gains
+    /// nothing there, and an unnamed statement cannot meet another client's
+    /// statement of the same name on a pooled server connection.
+    async fn query_unnamed(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
+        let client = self.client().await?;
+        client
+            .query_typed(sql, params)
+            .await
+            .map_err(postgres_error)
+    }
+}
+
+impl Session {
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         self.pool
             .get()
             .await
-            .map_err(|error| StoreError::Postgres(error.to_string()))
+            .map_err(|error| StoreError::Postgres(error_chain(&error)))
     }
 
-    async fn query(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError> {
+    /// Runs a claim or settle statement: a cached named statement, or with
+    /// `statement_cache: false` (or once named statements were lost) an
+    /// unnamed one.
+    async fn query(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
         let client = self.client().await?;
-        let rows = if self.statement_cache {
-            let statement = client.prepare_cached(sql).await.map_err(postgres_error)?;
-            client.query(&statement, params).await
-        } else {
-            client.query(sql, params).await
-        };
-        rows.map_err(postgres_error)
+        if self.named_statements() {
+            let named = async {
+                let statement = client.prepare_typed_cached(sql, &types(params)).await?;
+                client.query(&statement, &values(params)).await
+            };
+            match named.await {
+                Err(error) if lost_named_statement(&error) => self.lose_named_statements(&error),
+                rows => return rows.map_err(postgres_error),
+            }
+        }
+        client
+            .query_typed(sql, params)
+            .await
+            .map_err(postgres_error)
     }
 
-    async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
-        let client = self.client().await?;
-        let count = if self.statement_cache {
-            let statement = client.prepare_cached(sql).await.map_err(postgres_error)?;
-            client.execute(&statement, params).await
-        } else {
-            client.execute(sql, params).await
-        };
-        count.map_err(postgres_error)
+    fn named_statements(&self) -> bool {
+        self.statement_cache && !self.named_statements_lost.load(Ordering::Relaxed)
     }
+
+    fn lose_named_statements(&self, error: &tokio_postgres::Error) {
+        if !self.named_statements_lost.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                %error,
+                "named prepared statements do not survive the way to the server (a \
+                 transaction-pooling PgBouncer older than 1.21?); using unnamed statements \
+                 from now on: set store.statement_cache: false"
+            );
+        }
+    }
+}
+
+/// Whether the error says a named statement was not on the server connection
+/// the statement reached, or another one had its name: what a transaction
+/// pooler that does not track prepared statements does to them. The statement
+/// did not run, so running it again unnamed is safe.
+fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
+    [
+        SqlState::INVALID_SQL_STATEMENT_NAME,
+        SqlState::DUPLICATE_PSTATEMENT,
+        SqlState::PROTOCOL_VIOLATION,
+    ]
+    .iter()
+    .any(|code| error.code() == Some(code))
+}
+
+/// A statement's parameters with their types.
+///
+/// Given the types, an unnamed statement is parsed, bound and run in one
+/// round trip, so it never leaves the server connection it started on. That
+/// is the only form a transaction-pooling PgBouncer without prepared
+/// statement support (before 1.21) can carry: it may run each round trip on
+/// another server connection, where a named statement prepared in an earlier
+/// one does not exist, or another client's statement has the same name.
+/// Statements inside transactions and the operator's statements are always
+/// unnamed; `statement_cache` chooses for the claim and the settle, and a
+/// named statement that turns out lost switches the store to unnamed ones.
+pub(super) type Params<'a> = [(&'a (dyn ToSql + Sync), Type)];
+
+fn types(params: &Params<'_>) -> Vec<Type> {
+    params.iter().map(|(_, ty)| ty.clone()).collect()
+}
+
+fn values<'a>(params: &'a Params<'a>) -> Vec<&'a (dyn ToSql + Sync)> {
+    params.iter().map(|(value, _)| *value).collect()
 }
 
 impl Backend for PostgresStore {
@@ -220,9 +295,9 @@ impl Backend for PostgresStore {
         let transaction = client.transaction().await.map_err(postgres_error)?;
         // Transaction-scoped, so the lock cannot leak through a pooler.
         transaction
-            .execute(
+            .execute_typed(
                 "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-                &[&format!("dedupe-proxy migrate {}", self.table)],
+                &[(&format!("dedupe-proxy migrate {}", self.table), Type::TEXT)],
             )
             .await
             .map_err(postgres_error)?;
@@ -286,31 +361,11 @@ impl Backend for PostgresStore {
 /// What a batch needs of the store, owned so batches can run on their own.
 #[derive(Clone)]
 struct BatchRunner {
-    pool: Pool,
+    session: Arc<Session>,
     sql: Arc<Statements>,
-    statement_cache: bool,
 }
 
 impl BatchRunner {
-    async fn query(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError> {
-        let client = self
-            .pool
-            .get()
-            .await
-            .map_err(|error| StoreError::Postgres(error.to_string()))?;
-        let rows = if self.statement_cache {
-            let statement = client.prepare_cached(sql).await.map_err(postgres_error)?;
-            client.query(&statement, params).await
-        } else {
-            client.query(sql, params).await
-        };
-        rows.map_err(postgres_error)
-    }
-
     /// Claims a batch. A key queued twice is claimed again in a later round,
     /// after the first claim's outcome is committed, since one statement
     /// cannot decide the same key twice.
@@ -360,9 +415,13 @@ impl BatchRunner {
             .iter()
             .map(|r| i64::try_from(r.lease.as_millis()).unwrap_or(i64::MAX))
             .collect();
-        let rows = self
-            .query(&self.sql.claim, &[&sources, &keys, &hashes, &leases])
-            .await?;
+        let params: &Params<'_> = &[
+            (&sources, Type::TEXT_ARRAY),
+            (&keys, Type::TEXT_ARRAY),
+            (&hashes, Type::BYTEA_ARRAY),
+            (&leases, Type::INT8_ARRAY),
+        ];
+        let rows = self.session.query(&self.sql.claim, params).await?;
         let mut claims = vec![None; requests.len()];
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
@@ -411,12 +470,14 @@ impl BatchRunner {
                     .map(|s| i16::try_from(s).unwrap_or(i16::MAX))
             })
             .collect();
-        let rows = self
-            .query(
-                &self.sql.settle,
-                &[&sources, &keys, &attempts, &statuses, &response_statuses],
-            )
-            .await?;
+        let params: &Params<'_> = &[
+            (&sources, Type::TEXT_ARRAY),
+            (&keys, Type::TEXT_ARRAY),
+            (&attempts, Type::INT4_ARRAY),
+            (&statuses, Type::TEXT_ARRAY),
+            (&response_statuses, Type::INT2_ARRAY),
+        ];
+        let rows = self.session.query(&self.sql.settle, params).await?;
         let mut settled = vec![false; requests.len()];
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
@@ -460,8 +521,8 @@ fn postgres_error(error: tokio_postgres::Error) -> StoreError {
         // serialization); connection and shutdown classes aside, the
         // connection itself is fine.
         Some(code) if !code.code().starts_with("08") && !code.code().starts_with("57") => {
-            StoreError::Refused(error.to_string())
+            StoreError::Refused(error_chain(&error))
         }
-        _ => StoreError::Postgres(error.to_string()),
+        _ => StoreError::Postgres(error_chain(&error)),
     }
 }

@@ -1,6 +1,7 @@
 //! The binary's logs with `--log-format json`: one JSON object per line,
 //! exactly one `webhook` line per webhook with the fields operators filter
-//! on, and never a request body, even at the most verbose filter.
+//! on, never a request body, even at the most verbose filter, and store
+//! errors with the server's own message.
 
 use bytes::Bytes;
 use http::Request;
@@ -79,5 +80,29 @@ async fn each_webhook_logs_one_json_line_and_no_body() {
             .windows(MARKER.len())
             .any(|w| w == MARKER.as_bytes()),
         "the marker did travel through the proxy"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_errors_are_logged_with_the_servers_message() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let missing = store.url.rsplit_once('/').unwrap().0.to_owned() + "/dedupe_no_such_database";
+    let upstream = Upstream::start().await;
+    let mut proxy = ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{missing}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url()
+    ))
+    .await;
+    let refused = deliver(&proxy, "evt_nodb").await;
+    assert_eq!(refused.status, 503);
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    let claim_failed = lines
+        .iter()
+        .find(|line| line.contains("claim failed"))
+        .expect("a claim failure was logged");
+    assert!(
+        claim_failed.contains(r#"database \"dedupe_no_such_database\" does not exist"#),
+        "{claim_failed}"
     );
 }

@@ -2,6 +2,7 @@
 //! real PostgreSQL and a real SQLite file. Scenarios run on both stores.
 
 mod batching;
+mod chaos;
 mod cli;
 mod delivery;
 mod exposition;
@@ -10,9 +11,11 @@ mod keys;
 mod lifecycle;
 mod logs;
 mod metrics;
+mod pgbouncer;
 mod postgres_tls;
 mod prometheus;
 mod prune;
+mod recovery;
 mod rejections;
 mod rows;
 mod signatures;

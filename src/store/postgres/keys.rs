@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use tokio_postgres::Row;
+use tokio_postgres::types::Type;
 
 use super::{PostgresStore, postgres_error};
 use crate::store::{
@@ -40,7 +41,7 @@ impl Statements {
                   LIMIT $3"
             ),
             show: format!("SELECT {COLUMNS} FROM {table} WHERE source = $1 AND event_id = $2"),
-            forget: format!("DELETE FROM {table} WHERE source = $1 AND event_id = $2"),
+            forget: format!("DELETE FROM {table} WHERE source = $1 AND event_id = $2 RETURNING 1"),
             status_for_update: format!(
                 "SELECT status FROM {table} WHERE source = $1 AND event_id = $2 FOR UPDATE"
             ),
@@ -78,9 +79,13 @@ impl PostgresStore {
     pub(super) async fn list_keys(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
         let status = filter.status.map(KeyStatus::as_str);
         let rows = self
-            .query(
+            .query_unnamed(
                 &self.keys.list,
-                &[&filter.source, &status, &i64::from(filter.limit)],
+                &[
+                    (&filter.source, Type::TEXT),
+                    (&status, Type::TEXT),
+                    (&i64::from(filter.limit), Type::INT8),
+                ],
             )
             .await?;
         rows.iter().map(record).collect()
@@ -91,12 +96,23 @@ impl PostgresStore {
         source: &str,
         key: &str,
     ) -> Result<Option<KeyRecord>, StoreError> {
-        let rows = self.query(&self.keys.show, &[&source, &key]).await?;
+        let rows = self
+            .query_unnamed(
+                &self.keys.show,
+                &[(&source, Type::TEXT), (&key, Type::TEXT)],
+            )
+            .await?;
         rows.first().map(record).transpose()
     }
 
     pub(super) async fn forget_key(&self, source: &str, key: &str) -> Result<bool, StoreError> {
-        Ok(self.execute(&self.keys.forget, &[&source, &key]).await? == 1)
+        let deleted = self
+            .query_unnamed(
+                &self.keys.forget,
+                &[(&source, Type::TEXT), (&key, Type::TEXT)],
+            )
+            .await?;
+        Ok(deleted.len() == 1)
     }
 
     pub(super) async fn release_key(&self, source: &str, key: &str) -> Result<Release, StoreError> {
@@ -105,14 +121,20 @@ impl PostgresStore {
         // Locking the row first makes "missing", "not processing" and the
         // update one decision.
         let status = transaction
-            .query_opt(&self.keys.status_for_update, &[&source, &key])
+            .query_typed_opt(
+                &self.keys.status_for_update,
+                &[(&source, Type::TEXT), (&key, Type::TEXT)],
+            )
             .await
             .map_err(postgres_error)?;
         let outcome = match status.as_ref().map(|row| row.get::<_, &str>(0)) {
             None => Release::Missing,
             Some("processing") => {
                 let row = transaction
-                    .query_one(&self.keys.release, &[&source, &key])
+                    .query_typed_one(
+                        &self.keys.release,
+                        &[(&source, Type::TEXT), (&key, Type::TEXT)],
+                    )
                     .await
                     .map_err(postgres_error)?;
                 Release::Released {
@@ -139,9 +161,9 @@ impl PostgresStore {
         let mut client = self.client().await?;
         let transaction = client.transaction().await.map_err(postgres_error)?;
         let locked: bool = transaction
-            .query_one(
+            .query_typed_one(
                 "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))",
-                &[&self.keys.prune_lock],
+                &[(&self.keys.prune_lock, Type::TEXT)],
             )
             .await
             .map_err(postgres_error)?
@@ -151,7 +173,14 @@ impl PostgresStore {
             return Ok(PruneBatch::Busy);
         }
         let deleted = transaction
-            .execute(sql, &[&older_than_ms, sources, &i64::from(limit)])
+            .execute_typed(
+                sql,
+                &[
+                    (&older_than_ms, Type::INT8),
+                    (sources, Type::TEXT_ARRAY),
+                    (&i64::from(limit), Type::INT8),
+                ],
+            )
             .await
             .map_err(postgres_error)?;
         transaction.commit().await.map_err(postgres_error)?;
