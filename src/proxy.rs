@@ -157,17 +157,7 @@ impl Proxy {
             .requests
             .with_label_values(&[route_name, answer.metric_outcome()])
             .inc();
-        tracing::info!(
-            route = route_name,
-            key = trace.key,
-            outcome = answer.metric_outcome(),
-            attempt = trace.attempt,
-            upstream_status = answer.upstream_status(),
-            store_ms = millis(trace.store_time),
-            upstream_ms = trace.upstream_time.map(millis),
-            total_ms = millis(started.elapsed()),
-            "webhook"
-        );
+        log_request(route.is_some(), route_name, &trace, &answer, started);
         answer.into_response()
     }
 
@@ -587,6 +577,32 @@ fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
                 || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
         }
         (Some(_), Some(_)) => true,
+    }
+}
+
+/// The one log line per request: at info for webhooks, at debug for
+/// unmatched traffic the proxy merely passes along.
+fn log_request(webhook: bool, route: &str, trace: &Trace, answer: &Answer, started: Instant) {
+    macro_rules! line {
+        ($level:expr) => {
+            tracing::event!(
+                $level,
+                route,
+                key = trace.key,
+                outcome = answer.metric_outcome(),
+                attempt = trace.attempt,
+                upstream_status = answer.upstream_status(),
+                store_ms = millis(trace.store_time),
+                upstream_ms = trace.upstream_time.map(millis),
+                total_ms = millis(started.elapsed()),
+                "webhook"
+            )
+        };
+    }
+    if webhook {
+        line!(tracing::Level::INFO);
+    } else {
+        line!(tracing::Level::DEBUG);
     }
 }
 
