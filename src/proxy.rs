@@ -135,7 +135,7 @@ impl Proxy {
         peer: Peer,
     ) -> Response<Body> {
         let started = Instant::now();
-        self.metrics.in_flight.inc();
+        let _in_flight = InFlight::count(&self.metrics.in_flight);
         let mut trace = Trace::default();
         let route = self.routes.find(request.method(), request.uri().path());
         let route_name = route.map_or(UNMATCHED_ROUTE, |route| &*route.name);
@@ -146,13 +146,13 @@ impl Proxy {
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
             Ok(_permit) => match route {
                 Some(route) => {
-                    self.webhook(Arc::clone(route), request, peer, &mut trace)
-                        .await
+                    let answer;
+                    (answer, trace) = self.webhook(Arc::clone(route), request, peer).await;
+                    answer
                 }
                 None => self.unmatched(request, peer).await,
             },
         };
-        self.metrics.in_flight.dec();
         self.metrics
             .requests
             .with_label_values(&[route_name, answer.metric_outcome()])
@@ -172,17 +172,49 @@ impl Proxy {
         }
     }
 
+    /// Reads a webhook, then runs the rest detached: once the store has been
+    /// asked to claim its key, a sender that hangs up must not cancel the
+    /// claim's forwarding and settling, or the key would stay `processing`
+    /// until its lease expired (and an effect might go unrecorded).
     async fn webhook(
         self: &Arc<Self>,
         route: Arc<Route>,
         request: Request<Incoming>,
         peer: Peer,
-        trace: &mut Trace,
-    ) -> Answer {
+    ) -> (Answer, Trace) {
         let (parts, body) = match self.read(request).await {
             Ok(read) => read,
-            Err(rejection) => return Answer::Rejected(rejection),
+            Err(rejection) => return (Answer::Rejected(rejection), Trace::default()),
         };
+        let task = tokio::spawn(Arc::clone(self).process(route, parts, body, peer));
+        task.await.unwrap_or_else(|error| {
+            let failure = UpstreamError::Failed(format!("webhook task failed: {error}"));
+            (Answer::UpstreamError(failure), Trace::default())
+        })
+    }
+
+    async fn process(
+        self: Arc<Self>,
+        route: Arc<Route>,
+        parts: Parts,
+        body: Bytes,
+        peer: Peer,
+    ) -> (Answer, Trace) {
+        let mut trace = Trace::default();
+        let answer = self
+            .verified_webhook(&route, parts, body, peer, &mut trace)
+            .await;
+        (answer, trace)
+    }
+
+    async fn verified_webhook(
+        &self,
+        route: &Arc<Route>,
+        parts: Parts,
+        body: Bytes,
+        peer: Peer,
+        trace: &mut Trace,
+    ) -> Answer {
         // Nothing in the request is trusted before this, in any mode.
         let now = SystemTime::now();
         let verified =
@@ -190,7 +222,7 @@ impl Proxy {
                 Ok(verified) => verified,
                 Err(error) => return Answer::Rejected(Rejection::Signature(error.to_string())),
             };
-        let decision = self.decide(&route, &parts, &body, trace).await;
+        let decision = self.decide(route, &parts, &body, trace).await;
         let request = Checked {
             parts,
             body,
@@ -200,18 +232,18 @@ impl Proxy {
         let shadow = route.mode == Mode::Shadow;
         match decision {
             Decision::Claimed(claim) => {
-                match self.forward_detached(&route, claim, request, trace).await {
+                match self.forward_claimed(route, claim, request, trace).await {
                     Answer::Forwarded(response) if shadow => {
                         Answer::Passthrough(response, PassReason::Shadow("forwarded"))
                     }
                     answer => answer,
                 }
             }
-            Decision::Pass(reason) => self.pass(&route, request, reason).await,
+            Decision::Pass(reason) => self.pass(route, request, reason).await,
             // Shadow mode records what enforcing would answer, and forwards.
             Decision::Answer(answer) if shadow => {
                 let reason = PassReason::Shadow(answer.metric_outcome());
-                self.pass(&route, request, reason).await
+                self.pass(route, request, reason).await
             }
             Decision::Answer(answer) => answer,
         }
@@ -295,33 +327,24 @@ impl Proxy {
         }
     }
 
-    /// Runs `forward_claimed` detached, so a sender that hangs up cannot
-    /// cancel the upstream call between its side effect and the settle that
-    /// records it.
-    async fn forward_detached(
-        self: &Arc<Self>,
-        route: &Arc<Route>,
+    /// Forwards a won claim and settles it before the response goes back.
+    async fn forward_claimed(
+        &self,
+        route: &Route,
         won: Won,
         request: Checked,
         trace: &mut Trace,
     ) -> Answer {
-        let task = tokio::spawn(Arc::clone(self).forward_claimed(Arc::clone(route), won, request));
-        match task.await {
-            Ok((answer, upstream_time, settle_time)) => {
-                trace.upstream_time = upstream_time;
-                trace.store_time += settle_time;
-                answer
-            }
-            Err(error) => Answer::UpstreamError(UpstreamError::Failed(format!(
-                "forwarding task failed: {error}"
-            ))),
-        }
+        let (answer, upstream_time, settle_time) =
+            self.forward_and_settle(route, won, request).await;
+        trace.upstream_time = upstream_time;
+        trace.store_time += settle_time;
+        answer
     }
 
-    /// Forwards a won claim and settles it before the response goes back.
-    async fn forward_claimed(
-        self: Arc<Self>,
-        route: Arc<Route>,
+    async fn forward_and_settle(
+        &self,
+        route: &Route,
         won: Won,
         request: Checked,
     ) -> (Answer, Option<Duration>, Duration) {
@@ -361,7 +384,7 @@ impl Proxy {
             )
             .await;
         let upstream_time = sent_at.elapsed();
-        self.count_upstream(&route, &result, upstream_time);
+        self.count_upstream(route, &result, upstream_time);
         let settlement = match &result {
             Ok(response) if route.is_done(response.status()) => Settlement {
                 status: SettledStatus::Done,
@@ -577,6 +600,23 @@ fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
                 || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
         }
         (Some(_), Some(_)) => true,
+    }
+}
+
+/// Counts a request in `dedupe_in_flight_requests` until dropped, however
+/// the request ends.
+struct InFlight(prometheus::IntGauge);
+
+impl InFlight {
+    fn count(gauge: &prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

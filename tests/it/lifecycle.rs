@@ -14,6 +14,7 @@ on_both_stores!(
     claims_still_open_at_the_grace_deadline_are_released,
     a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_not_before,
     a_claim_won_too_late_to_forward_safely_is_released_with_503,
+    a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim,
 );
 
 /// Makes the store unavailable to the proxy and back: a relay cut for
@@ -404,4 +405,44 @@ async fn an_answer_whose_settle_fails_is_still_returned_and_settled_later() {
         "{metrics}"
     );
     assert_eq!(app.deliver("evt_settle", "{}").await.outcome(), "duplicate");
+}
+
+async fn a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    // The claim waits on a lock while the sender gives up and disconnects.
+    block_claims_for(backend, &app.store, Duration::from_millis(600)).await;
+    let (addr, client) = (app.addr, crate::support::client());
+    let mut sender = tokio::spawn(async move {
+        let request = http::Request::post(format!("http://{addr}/hooks/orders"))
+            .header("x-event-id", "evt_gone")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        client.request(request).await
+    });
+    let waiting = tokio::time::timeout(Duration::from_millis(200), &mut sender).await;
+    assert!(
+        waiting.is_err(),
+        "the request was still waiting on its claim"
+    );
+    sender.abort();
+    assert!(
+        sender.await.unwrap_err().is_cancelled(),
+        "the sender hung up"
+    );
+    // Once the claim commits, the webhook is forwarded and settled anyway.
+    app.upstream.wait_for(1).await;
+    let settled = async {
+        loop {
+            let again = app.deliver("evt_gone", "{}").await;
+            if again.outcome() == "duplicate" {
+                return;
+            }
+            assert_eq!(again.outcome(), "in-flight", "{again:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), settled)
+        .await
+        .expect("the orphaned claim was settled");
+    assert_eq!(app.upstream.count(), 1);
 }
