@@ -2,6 +2,8 @@
 //! when set and by `log_level` otherwise. Lines are written by a background
 //! thread, so a slow stderr never stalls a request; none are dropped.
 
+use std::io::IsTerminal;
+
 use tracing_appender::non_blocking::WorkerGuard;
 use tracing_subscriber::EnvFilter;
 
@@ -27,6 +29,7 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
         .finish(std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(writer);
     let _ = match format {
         LogFormat::Text => builder.try_init(),

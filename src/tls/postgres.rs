@@ -13,6 +13,7 @@ use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, Server
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, SignatureScheme};
 use tokio_postgres::config::SslMode;
+use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{TlsError, root_store};
@@ -27,7 +28,7 @@ enum Verification {
 
 /// A PostgreSQL URL split into the driver's configuration and the TLS
 /// connector its `sslmode` and `sslrootcert` call for.
-pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, MakeRustlsConnect), String> {
+pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, PostgresTls), String> {
     let (url, sslmode, rootcert) = take_tls_parameters(url);
     let mut config: tokio_postgres::Config = url.parse().map_err(|e| format!("{e}"))?;
     let verification = match sslmode.as_deref() {
@@ -66,7 +67,30 @@ pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, MakeRustlsC
         }
     };
     let tls = client_config(verification, rootcert).map_err(|e| e.to_string())?;
-    Ok((config, MakeRustlsConnect::new(tls)))
+    Ok((config, PostgresTls(MakeRustlsConnect::new(tls))))
+}
+
+/// The rustls connector, usable with Unix-socket hosts too: tokio-postgres
+/// asks for a connector even for a socket, which has no host name to verify.
+#[derive(Clone)]
+pub struct PostgresTls(MakeRustlsConnect);
+
+impl<S> MakeTlsConnect<S> for PostgresTls
+where
+    MakeRustlsConnect: MakeTlsConnect<S>,
+{
+    type Stream = <MakeRustlsConnect as MakeTlsConnect<S>>::Stream;
+    type TlsConnect = <MakeRustlsConnect as MakeTlsConnect<S>>::TlsConnect;
+    type Error = <MakeRustlsConnect as MakeTlsConnect<S>>::Error;
+
+    fn make_tls_connect(&mut self, domain: &str) -> Result<Self::TlsConnect, Self::Error> {
+        let domain = if domain.is_empty() {
+            "localhost"
+        } else {
+            domain
+        };
+        self.0.make_tls_connect(domain)
+    }
 }
 
 /// Removes `sslmode` and `sslrootcert` from the query string, returning them.
@@ -232,6 +256,18 @@ mod tests {
             take_tls_parameters("postgres://u@db/x").0,
             "postgres://u@db/x"
         );
+    }
+
+    #[test]
+    fn unix_socket_hosts_get_a_connector() {
+        crate::tls::install_crypto_provider();
+        let (config, mut tls) =
+            postgres_config("postgres://u@%2Fvar%2Frun%2Fpostgresql/x").unwrap();
+        assert!(matches!(
+            config.get_hosts()[0],
+            tokio_postgres::config::Host::Unix(_)
+        ));
+        assert!(MakeTlsConnect::<tokio::net::TcpStream>::make_tls_connect(&mut tls, "").is_ok());
     }
 
     #[test]
