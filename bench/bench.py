@@ -49,7 +49,8 @@ ROUTE = "orders"
 ROUTE_PATH = "/hooks/orders"
 UNMATCHED_PATH = "/hooks/unrouted"
 BACKGROUND_PREFIX = "000000"  # run nonces are 100000..999999: no collision
-LEASE_MS = 300_000  # store.lease default (5m), as the proxy sends it
+LEASE_MS = 300_000
+PG_MARGIN = 10  # connection slots left to other users of the server  # store.lease default (5m), as the proxy sends it
 HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -128,9 +129,9 @@ def parse_args(argv):
         description="Benchmark dedupe-proxy against nginx and pgbench baselines.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--reps", type=int, default=int(env("BENCH_REPS", "3")),
+    p.add_argument("--reps", type=int, default=int(env("BENCH_REPS", "5")),
                    help="repetitions of every scenario (BENCH_REPS)")
-    p.add_argument("--duration", type=float, default=float(env("BENCH_DURATION", "8")),
+    p.add_argument("--duration", type=float, default=float(env("BENCH_DURATION", "6")),
                    help="seconds per load run (BENCH_DURATION)")
     p.add_argument("--concurrency", default=env("BENCH_CONCURRENCY", "16,64,256"),
                    help="comma-separated connection counts (BENCH_CONCURRENCY)")
@@ -146,10 +147,14 @@ def parse_args(argv):
                    help="done keys already in the table when a run starts, as in a proxy's "
                         "table in steady state (BENCH_TABLE_ROWS)")
     p.add_argument("--pg-host", default=env("BENCH_PG_HOST", "127.0.0.1"),
-                   help="PostgreSQL host, or a socket directory such as "
-                        "/var/run/postgresql (BENCH_PG_HOST); proxy and pgbench both use it")
-    p.add_argument("--pg-port", type=int, default=int(env("BENCH_PG_PORT", "5432")))
-    p.add_argument("--pg-user", default=env("BENCH_PG_USER", "postgres"))
+                   help="PostgreSQL host, or a socket directory such as /var/run/postgresql "
+                        "(BENCH_PG_HOST); the proxy and pgbench both use it. (The proxy cannot yet "
+                        "connect over a Unix socket: see bench/README.md.)")
+    p.add_argument("--pg-port", type=int, default=int(env("BENCH_PG_PORT", "5432")),
+                   help="(BENCH_PG_PORT)")
+    p.add_argument("--pg-user", default=env("BENCH_PG_USER", "postgres"),
+                   help="a superuser: the harness truncates, checkpoints and reads pg_stat_activity "
+                        "(BENCH_PG_USER)")
     p.add_argument("--pg-db", default=env("BENCH_PG_DB", "dedupe_bench"),
                    help="benchmark database, created if missing (BENCH_PG_DB)")
     p.add_argument("--log-level", default=env("BENCH_LOG_LEVEL", "info"),
@@ -158,19 +163,24 @@ def parse_args(argv):
     p.add_argument("--nginx-workers", default=env("BENCH_NGINX_WORKERS", "auto"),
                    help="worker_processes of both nginx instances (BENCH_NGINX_WORKERS)")
     p.add_argument("--warmup", type=float, default=float(env("BENCH_WARMUP", "2")),
-                   help="seconds of unrecorded load per target before the runs")
+                   help="seconds of unrecorded load per target before the runs (BENCH_WARMUP)")
     p.add_argument("--idle-connections", type=int,
                    default=int(env("BENCH_IDLE_CONNECTIONS", "1000")),
-                   help="keep-alive connections for the idle RSS measurement (0: skip)")
+                   help="keep-alive connections for the idle RSS measurement, 0 to skip "
+                        "(BENCH_IDLE_CONNECTIONS)")
     p.add_argument("--quick", action="store_true",
-                   help="1 repetition of 2 s at 16 and 64: checks the harness, not the proxy")
+                   help="1 repetition of 2 s at 16 and 64, 1 s warm-up: checks the harness, "
+                        "its numbers mean little")
     p.add_argument("--profile", choices=["callgrind", "perf"], default=None,
                    help="instead of the benchmark, profile the proxy under first deliveries: "
                         "callgrind (instructions, user space) or perf (cpu-clock samples, all processes)")
     p.add_argument("--profile-seconds", type=float,
-                   default=float(env("BENCH_PROFILE_SECONDS", "20")))
-    p.add_argument("--proxy-bin", default=env("BENCH_PROXY_BIN", str(ROOT / "target/release/dedupe-proxy")))
-    p.add_argument("--results", default=env("BENCH_RESULTS", str(BENCH / "results")))
+                   default=float(env("BENCH_PROFILE_SECONDS", "20")),
+                   help="load duration under the profiler (BENCH_PROFILE_SECONDS)")
+    p.add_argument("--proxy-bin", default=env("BENCH_PROXY_BIN", str(ROOT / "target/release/dedupe-proxy")),
+                   help="the binary to measure (bench/run passes the one it built)")
+    p.add_argument("--results", default=env("BENCH_RESULTS", str(BENCH / "results")),
+                   help="where JSON, CSV, plots and profiles go (BENCH_RESULTS)")
     a = p.parse_args(argv)
     if a.quick:
         a.reps, a.duration, a.warmup = 1, 2.0, 1.0
@@ -289,11 +299,14 @@ class Postgres:
         if exists != "1":
             self.sql(f'CREATE DATABASE "{self.db}"', db="postgres")
 
-    def free_connections(self):
-        return int(self.sql(
+    def connection_slots(self):
+        """Connections non-superusers may open, and how many are open now."""
+        out = self.sql(
             "SELECT current_setting('max_connections')::int"
-            " - current_setting('superuser_reserved_connections')::int"
-            " - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')"))
+            " - current_setting('superuser_reserved_connections')::int,"
+            " (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')")
+        slots, used = (int(x) for x in out.split("|"))
+        return slots, used
 
     def reset(self, background, keys=None):
         """Empties the table (a new relation: no bloat from earlier runs) and
@@ -739,14 +752,14 @@ class Bench:
     def run_one(self, s: Scenario, c: int, rep: int, order: int, record=True, duration=None):
         duration = duration or self.a.duration
         proxy = {"proxy-pg": self.proxy_pg, "proxy-sqlite": self.proxy_sqlite}.get(s.target)
-        for attempt in (1, 2):
+        for attempt in range(1, 7):
             nonce = random.randint(100000, 999999)
             self.prepare(s, nonce)
             run = Run(s.name, c, rep, order)
             before = proxy.metrics() if proxy else None
             if s.tool == "wrk":
                 self.run_wrk(s, c, nonce, duration, run, proxy)
-            elif not self.run_pgbench(s, c, nonce, duration, run, retry=attempt == 1):
+            elif not self.run_pgbench(s, c, nonce, duration, run, retry=attempt < 6):
                 continue
             break
         self.verify(s, c, run, proxy, before)
@@ -801,13 +814,13 @@ class Bench:
         with Sampler(self.roles(s), self.postmaster, self.pg.db, None) as sampler:
             load.start(sampler)
             rc, out, err = load.wait()
-        if rc != 0 and ("connection slots" in err or "too many clients" in err):
-            # Other users of the server took slots that were free at start-up.
-            free = self.pg.free_connections() - 10
-            if retry and free >= 1:
-                print(f"  pgbench: not enough connection slots; again with at most {free} clients")
-                self.pg_client_cap = min(self.pg_client_cap, free)
-                return False
+        if rc != 0 and ("connection slots" in err or "too many clients" in err) and retry:
+            # Other users of the server hold slots for a moment: wait, retry.
+            slots, used = self.pg.connection_slots()
+            print(f"  pgbench: no connection slots for {clients} clients ({used} of {slots} in use);"
+                  " retrying in 5 s", flush=True)
+            time.sleep(5)
+            return False
         if rc != 0:
             raise BenchError(f"pgbench exited {rc}: {err.strip()[-1500:]}")
         processed = re.search(r"number of transactions actually processed: (\d+)", out)
@@ -992,7 +1005,14 @@ class Bench:
 
     def main(self):
         self.setup()
-        self.pg_client_cap = max(1, self.pg.free_connections() - 10)
+        # pgbench gets the server's connections minus the proxy's pool and a
+        # margin for other users of the server (and this harness's psql).
+        slots, _ = self.pg.connection_slots()
+        self.pg_client_cap = max(1, slots - self.a.pool_size - PG_MARGIN)
+        if self.pg_client_cap < max(self.a.concurrency):
+            self.notes.append(
+                f"pgbench runs at most {self.pg_client_cap} clients: {slots} connection slots, minus the "
+                f"proxy's pool of {self.a.pool_size}, minus {PG_MARGIN} for other users")
         self.print_header()
         if self.a.profile:
             return self.profile()
