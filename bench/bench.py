@@ -148,8 +148,7 @@ def parse_args(argv):
                         "table in steady state (BENCH_TABLE_ROWS)")
     p.add_argument("--pg-host", default=env("BENCH_PG_HOST", "127.0.0.1"),
                    help="PostgreSQL host, or a socket directory such as /var/run/postgresql "
-                        "(BENCH_PG_HOST); the proxy and pgbench both use it. (The proxy cannot yet "
-                        "connect over a Unix socket: see bench/README.md.)")
+                        "(BENCH_PG_HOST); the proxy and pgbench both use it.")
     p.add_argument("--pg-port", type=int, default=int(env("BENCH_PG_PORT", "5432")),
                    help="(BENCH_PG_PORT)")
     p.add_argument("--pg-user", default=env("BENCH_PG_USER", "postgres"),
