@@ -64,6 +64,11 @@ struct Statements {
     migrate: String,
     claim: String,
     settle: String,
+    /// The same decisions for a batch of one, with the same result columns:
+    /// a plain statement PostgreSQL plans once, where the batch statement is
+    /// planned for its arrays on every run.
+    claim_one: String,
+    settle_one: String,
 }
 
 impl Statements {
@@ -130,6 +135,34 @@ impl Statements {
                   WHERE e.source = u.source AND e.event_id = u.event_id
                     AND e.status = 'processing' AND e.attempts = u.attempt
                  RETURNING u.ord"
+            ),
+            claim_one: format!(
+                "WITH prior AS (
+                   SELECT status, payload_sha256, received_at FROM {table}
+                    WHERE source = $1 AND event_id = $2
+                 ), claimed AS (
+                   INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
+                   VALUES ($1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond')
+                   ON CONFLICT (source, event_id) DO UPDATE
+                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
+                          lease_expires_at = excluded.lease_expires_at,
+                          response_status = NULL, completed_at = NULL
+                    WHERE e.status = 'failed'
+                       OR (e.status = 'processing' AND e.lease_expires_at <= now())
+                   RETURNING attempts, payload_sha256
+                 )
+                 SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
+                        coalesce(c.payload_sha256, p.payload_sha256), p.status,
+                        coalesce(extract(epoch FROM now() - p.received_at)::float8, 0)
+                   FROM (SELECT 1) one
+                   LEFT JOIN claimed c ON true
+                   LEFT JOIN prior p ON true"
+            ),
+            settle_one: format!(
+                "UPDATE {table}
+                    SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
+                  WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3
+                 RETURNING 1::int8"
             ),
         }
     }
@@ -415,13 +448,26 @@ impl BatchRunner {
             .iter()
             .map(|r| i64::try_from(r.lease.as_millis()).unwrap_or(i64::MAX))
             .collect();
-        let params: &Params<'_> = &[
-            (&sources, Type::TEXT_ARRAY),
-            (&keys, Type::TEXT_ARRAY),
-            (&hashes, Type::BYTEA_ARRAY),
-            (&leases, Type::INT8_ARRAY),
-        ];
-        let rows = self.session.query(&self.sql.claim, params).await?;
+        let rows = match requests {
+            [one] => {
+                let params: &Params<'_> = &[
+                    (&&*one.source, Type::TEXT),
+                    (&one.key, Type::TEXT),
+                    (&hashes[0], Type::BYTEA),
+                    (&leases[0], Type::INT8),
+                ];
+                self.session.query(&self.sql.claim_one, params).await?
+            }
+            _ => {
+                let params: &Params<'_> = &[
+                    (&sources, Type::TEXT_ARRAY),
+                    (&keys, Type::TEXT_ARRAY),
+                    (&hashes, Type::BYTEA_ARRAY),
+                    (&leases, Type::INT8_ARRAY),
+                ];
+                self.session.query(&self.sql.claim, params).await?
+            }
+        };
         let mut claims = vec![None; requests.len()];
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
@@ -470,14 +516,25 @@ impl BatchRunner {
                     .map(|s| i16::try_from(s).unwrap_or(i16::MAX))
             })
             .collect();
-        let params: &Params<'_> = &[
-            (&sources, Type::TEXT_ARRAY),
-            (&keys, Type::TEXT_ARRAY),
-            (&attempts, Type::INT4_ARRAY),
-            (&statuses, Type::TEXT_ARRAY),
-            (&response_statuses, Type::INT2_ARRAY),
-        ];
-        let rows = self.session.query(&self.sql.settle, params).await?;
+        let rows = if requests.len() == 1 {
+            let params: &Params<'_> = &[
+                (&sources[0], Type::TEXT),
+                (&keys[0], Type::TEXT),
+                (&attempts[0], Type::INT4),
+                (&statuses[0], Type::TEXT),
+                (&response_statuses[0], Type::INT2),
+            ];
+            self.session.query(&self.sql.settle_one, params).await?
+        } else {
+            let params: &Params<'_> = &[
+                (&sources, Type::TEXT_ARRAY),
+                (&keys, Type::TEXT_ARRAY),
+                (&attempts, Type::INT4_ARRAY),
+                (&statuses, Type::TEXT_ARRAY),
+                (&response_statuses, Type::INT2_ARRAY),
+            ];
+            self.session.query(&self.sql.settle, params).await?
+        };
         let mut settled = vec![false; requests.len()];
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
