@@ -664,8 +664,10 @@ class Bench:
         source = (ROOT / "src/store/postgres.rs").read_text()
         norm = lambda s: " ".join(s.split())
         wanted = {}
+        # A pgbench client sends one event at a time: the proxy's statements
+        # for a batch of one.
         for name in ("claim", "settle"):
-            m = re.search(rf"\b{name}: format!\(\s*\"(.*?)\"\s*\)", source, re.S)
+            m = re.search(rf"\b{name}_one: format!\(\s*\"(.*?)\"\s*\)", source, re.S)
             wanted[name] = norm(m.group(1).replace("{table}", "processed_events")) if m else None
         numbering = {"claim": [":source", ":key", ":sha", ":lease_ms"],
                      "settle": [":source", ":key", ":attempt", ":status", ":response_status"]}

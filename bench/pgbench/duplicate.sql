@@ -9,21 +9,27 @@
 WITH prior AS (
                    SELECT status, payload_sha256, received_at FROM processed_events
                     WHERE source = :source AND event_id = :key
-                 ), claimed AS (
-                   INSERT INTO processed_events AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
-                   VALUES (:source, :key, 'processing', 1, :sha, now() + :lease_ms::bigint * interval '1 millisecond')
-                   ON CONFLICT (source, event_id) DO UPDATE
-                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
-                          lease_expires_at = excluded.lease_expires_at,
-                          response_status = NULL, completed_at = NULL
-                    WHERE e.status = 'failed'
-                       OR (e.status = 'processing' AND e.lease_expires_at <= now())
+                 ), inserted AS (
+                   INSERT INTO processed_events (source, event_id, status, attempts, payload_sha256, lease_expires_at)
+                   VALUES (:source, :key, 'processing', 1, :sha, now() + :lease_ms * interval '1 millisecond')
+                   ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING attempts, payload_sha256
+                 ), retaken AS (
+                   UPDATE processed_events AS e
+                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
+                          lease_expires_at = now() + :lease_ms * interval '1 millisecond',
+                          response_status = NULL, completed_at = NULL
+                    WHERE e.source = :source AND e.event_id = :key
+                      AND (e.status = 'failed'
+                           OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND NOT EXISTS (SELECT 1 FROM inserted)
+                   RETURNING e.attempts, e.payload_sha256
+                 ), claimed AS (
+                   SELECT * FROM inserted UNION ALL SELECT * FROM retaken
                  )
-                 SELECT true AS won, c.attempts, c.payload_sha256, p.status,
-                        0::float8 AS age_seconds
-                   FROM claimed c LEFT JOIN prior p ON true
-                 UNION ALL
-                 SELECT false, 0, p.payload_sha256, p.status,
-                        extract(epoch FROM now() - p.received_at)::float8
-                   FROM prior p WHERE NOT EXISTS (SELECT 1 FROM claimed);
+                 SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
+                        coalesce(c.payload_sha256, p.payload_sha256), p.status,
+                        coalesce(extract(epoch FROM now() - p.received_at)::float8, 0)
+                   FROM (SELECT 1) one
+                   LEFT JOIN claimed c ON true
+                   LEFT JOIN prior p ON true;

@@ -60,6 +60,16 @@ struct SettleRequest {
 /// Most keys one statement claims or settles.
 const MAX_BATCH: usize = 256;
 
+/// Claim statements (and, separately, settle statements) one replica runs at
+/// once. Few and large beats many and small: while two batches are at the
+/// database, everything arriving queues for the next one, so under load the
+/// database runs one statement and one commit for dozens of keys instead of
+/// one each, and spends its CPU on rows rather than on round trips. Under
+/// light load a request still finds a free slot and goes out alone. Two, not
+/// one, so that a batch waiting on a row another replica is inserting does
+/// not stall every claim behind it.
+const BATCHES_IN_FLIGHT: usize = 2;
+
 struct Statements {
     migrate: String,
     claim: String,
@@ -91,13 +101,22 @@ impl Statements {
                  );
                  CREATE INDEX IF NOT EXISTS {index}_received_at_idx ON {table} (received_at);"
             ),
-            // One statement claims a whole batch of keys (no key twice).
+            // One statement claims a whole batch of keys (no key twice). A new
+            // key is decided by the primary key: the INSERT takes it or
+            // conflicts. A key that exists is taken back only if it failed or
+            // its lease expired, by an UPDATE that re-checks that condition
+            // on the row's latest version after locking it, so two
+            // statements cannot both take it. A `done` or live key is
+            // neither written nor locked: a duplicate's statement is
+            // read-only and its commit waits for no WAL flush.
+            //
             // `prior` reads the statement's snapshot, i.e. the rows as they
-            // were before it: it only classifies results. Each key's decision
-            // is the ON CONFLICT clause. A row committed by a concurrent claim
-            // after the snapshot is invisible to `prior`; losing to it means
-            // in flight. Rows are inserted in key order, so concurrent batches
-            // lock shared keys in the same order and cannot deadlock.
+            // were before it: it only classifies results. A row committed by
+            // a concurrent claim after the snapshot is invisible to `prior`
+            // and to the UPDATE; losing to it means in flight. New rows are
+            // inserted in key order, so concurrent batches wait on shared
+            // new keys in the same order; a deadlock between retakes is
+            // refused by the server and the keys are then claimed one by one.
             claim: format!(
                 "WITH input AS (
                    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
@@ -105,18 +124,27 @@ impl Statements {
                  ), prior AS (
                    SELECT e.source, e.event_id, e.status, e.payload_sha256, e.received_at
                      FROM {table} e JOIN input i USING (source, event_id)
-                 ), claimed AS (
+                 ), inserted AS (
                    INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
                    SELECT source, event_id, 'processing', 1, payload_sha256,
                           now() + lease_ms * interval '1 millisecond'
                      FROM input ORDER BY source, event_id
-                   ON CONFLICT (source, event_id) DO UPDATE
-                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
-                          lease_expires_at = excluded.lease_expires_at,
-                          response_status = NULL, completed_at = NULL
-                    WHERE e.status = 'failed'
-                       OR (e.status = 'processing' AND e.lease_expires_at <= now())
+                   ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
+                 ), retaken AS (
+                   UPDATE {table} AS e
+                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
+                          lease_expires_at = now() + i.lease_ms * interval '1 millisecond',
+                          response_status = NULL, completed_at = NULL
+                     FROM input i
+                    WHERE e.source = i.source AND e.event_id = i.event_id
+                      AND (e.status = 'failed'
+                           OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND NOT EXISTS (SELECT 1 FROM inserted n
+                                       WHERE n.source = i.source AND n.event_id = i.event_id)
+                   RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
+                 ), claimed AS (
+                   SELECT * FROM inserted UNION ALL SELECT * FROM retaken
                  )
                  SELECT i.ord, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
@@ -140,16 +168,23 @@ impl Statements {
                 "WITH prior AS (
                    SELECT status, payload_sha256, received_at FROM {table}
                     WHERE source = $1 AND event_id = $2
-                 ), claimed AS (
-                   INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
+                 ), inserted AS (
+                   INSERT INTO {table} (source, event_id, status, attempts, payload_sha256, lease_expires_at)
                    VALUES ($1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond')
-                   ON CONFLICT (source, event_id) DO UPDATE
-                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
-                          lease_expires_at = excluded.lease_expires_at,
-                          response_status = NULL, completed_at = NULL
-                    WHERE e.status = 'failed'
-                       OR (e.status = 'processing' AND e.lease_expires_at <= now())
+                   ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING attempts, payload_sha256
+                 ), retaken AS (
+                   UPDATE {table} AS e
+                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
+                          lease_expires_at = now() + $4 * interval '1 millisecond',
+                          response_status = NULL, completed_at = NULL
+                    WHERE e.source = $1 AND e.event_id = $2
+                      AND (e.status = 'failed'
+                           OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND NOT EXISTS (SELECT 1 FROM inserted)
+                   RETURNING e.attempts, e.payload_sha256
+                 ), claimed AS (
+                   SELECT * FROM inserted UNION ALL SELECT * FROM retaken
                  )
                  SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
@@ -209,17 +244,17 @@ impl PostgresStore {
 
     fn batches(&self) -> &Batches {
         self.batches.get_or_init(|| {
-            let connections = self.session.pool.status().max_size;
+            let in_flight = BATCHES_IN_FLIGHT.min(self.session.pool.status().max_size);
             let runner = BatchRunner {
                 session: Arc::clone(&self.session),
                 sql: Arc::clone(&self.sql),
             };
             let settle_runner = runner.clone();
             Batches {
-                claims: Coalescer::start(connections, MAX_BATCH, move |batch| {
+                claims: Coalescer::start(in_flight, MAX_BATCH, move |batch| {
                     runner.clone().claim_batch(batch)
                 }),
-                settles: Coalescer::start(connections, MAX_BATCH, move |batch| {
+                settles: Coalescer::start(in_flight, MAX_BATCH, move |batch| {
                     settle_runner.clone().settle_batch(batch)
                 }),
             }

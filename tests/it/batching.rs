@@ -14,6 +14,7 @@ use crate::support::{Backend, Relay, TestStore};
 on_both_stores!(
     keys_repeated_within_a_batch_are_each_won_exactly_once,
     concurrent_settles_are_each_fenced_by_their_own_attempt,
+    replicas_racing_for_failed_keys_take_each_back_exactly_once,
 );
 
 fn request(key: &str) -> ClaimRequest {
@@ -110,6 +111,94 @@ async fn concurrent_settles_are_each_fenced_by_their_own_attempt(backend: Backen
             assert!(matches!(claim, Claim::InFlight { .. }), "{claim:?}");
         }
     }
+}
+
+/// Several replicas (each its own store and connections) claim the same
+/// failed keys at once, in batches: each key is taken back by one of them.
+async fn replicas_racing_for_failed_keys_take_each_back_exactly_once(backend: Backend) {
+    let test_store = TestStore::new(backend).await;
+    let replicas = [
+        open(&test_store.url).await,
+        open(&test_store.url).await,
+        open(&test_store.url).await,
+    ];
+    let keys: Vec<String> = (0..30).map(|i| format!("f{i}")).collect();
+    for (key, claim) in claim_all(&replicas[0], &keys).await {
+        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
+        assert!(
+            replicas[0]
+                .settle("src", &key, 1, Settlement::RELEASED)
+                .await
+                .unwrap()
+        );
+    }
+    // Every replica asks for every key twice, in its own (rotated) order.
+    let races: Vec<_> = replicas
+        .iter()
+        .enumerate()
+        .map(|(n, replica)| {
+            let mut mine: Vec<String> = keys.iter().chain(&keys).cloned().collect();
+            mine.rotate_left(n * 7);
+            let replica = replica.clone();
+            tokio::spawn(async move { claim_all(&replica, &mine).await })
+        })
+        .collect();
+    let mut winners: HashMap<String, usize> = HashMap::new();
+    for race in races {
+        for (key, claim) in race.await.unwrap() {
+            match claim {
+                Ok(Claim::Won { attempt, .. }) => {
+                    assert_eq!(attempt, 2, "{key}");
+                    *winners.entry(key).or_default() += 1;
+                }
+                Ok(Claim::InFlight { .. }) => {}
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+    }
+    for key in &keys {
+        assert_eq!(winners.get(key), Some(&1), "{key} is taken back once");
+    }
+}
+
+/// A duplicate of a `done` key is decided without writing: it does not lock
+/// the row, so it cannot wait behind whoever holds it (and its commit waits
+/// for no WAL flush). Batched or alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_claim_takes_no_row_lock() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    assert!(matches!(
+        store.claim(&request("d1")).await.unwrap(),
+        Claim::Won { attempt: 1, .. }
+    ));
+    let done = Settlement {
+        status: SettledStatus::Done,
+        response_status: Some(200),
+    };
+    assert!(store.settle("src", "d1", 1, done).await.unwrap());
+
+    let mut holder = test_store.postgres().await;
+    let lock = holder.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM processed_events WHERE event_id = 'd1' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let alone = store.claim(&request("d1")).await;
+    assert!(matches!(alone, Ok(Claim::Done { .. })), "{alone:?}");
+    let keys: Vec<String> = ["d1", "n1", "d1", "n2", "n3"].map(String::from).into();
+    for (key, claim) in claim_all(&store, &keys).await {
+        match key.as_str() {
+            "d1" => assert!(matches!(claim, Ok(Claim::Done { .. })), "{claim:?}"),
+            _ => assert!(
+                matches!(claim, Ok(Claim::Won { attempt: 1, .. })),
+                "{claim:?}"
+            ),
+        }
+    }
+    lock.rollback().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
