@@ -144,13 +144,17 @@ impl Proxy {
                 Rejection::BadRequest("ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length".into()),
             ),
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
+            // Boxed: hyper keeps one slot per connection for this future from
+            // the connection's first request to its close, so what it holds
+            // inline is memory every idle keep-alive connection pays for.
             Ok(_permit) => match route {
                 Some(route) => {
                     let answer;
-                    (answer, trace) = self.webhook(Arc::clone(route), request, peer).await;
+                    (answer, trace) =
+                        Box::pin(self.webhook(Arc::clone(route), request, peer)).await;
                     answer
                 }
-                None => self.unmatched(request, peer).await,
+                None => Box::pin(self.unmatched(request, peer)).await,
             },
         };
         self.metrics
