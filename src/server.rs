@@ -197,29 +197,27 @@ async fn serve_webhooks(
             let proxy = Arc::clone(&proxy);
             async move { Ok::<_, std::convert::Infallible>(proxy.handle(request, peer).await) }
         });
-        let (builder, watcher, tls) = (Arc::clone(&builder), graceful.watcher(), tls.clone());
+        let (builder, watcher) = (Arc::clone(&builder), graceful.watcher());
         let _ = stream.set_nodelay(true);
-        tokio::spawn(async move {
-            let served = match tls {
-                None => {
-                    let connection = builder.serve_connection(TokioIo::new(stream), service);
-                    watcher.watch(connection.into_owned()).await
-                }
-                Some(acceptor) => {
-                    let handshake =
-                        tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
-                    let Ok(Ok(stream)) = handshake.await else {
-                        tracing::debug!(%addr, "TLS handshake failed or timed out");
-                        return;
-                    };
-                    let connection = builder.serve_connection(TokioIo::new(stream), service);
-                    watcher.watch(connection.into_owned()).await
-                }
-            };
-            if let Err(error) = served {
-                tracing::debug!(%error, "webhook connection ended with an error");
-            }
-        });
+        // One task type per transport: a task is as large as its largest
+        // state, and a plain connection should not carry room for a TLS
+        // session for as long as it stays open.
+        match tls.clone() {
+            None => tokio::spawn(async move {
+                let connection = builder.serve_connection(TokioIo::new(stream), service);
+                log_connection_end(watcher.watch(connection.into_owned()).await);
+            }),
+            Some(acceptor) => tokio::spawn(async move {
+                let handshake =
+                    tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                let Ok(Ok(stream)) = handshake.await else {
+                    tracing::debug!(%addr, "TLS handshake failed or timed out");
+                    return;
+                };
+                let connection = builder.serve_connection(TokioIo::new(stream), service);
+                log_connection_end(watcher.watch(connection.into_owned()).await);
+            }),
+        };
     }
     drop(listener);
     if tokio::time::timeout(grace, graceful.shutdown())
@@ -230,6 +228,12 @@ async fn serve_webhooks(
             ?grace,
             "shutdown grace period ended with requests still in flight"
         );
+    }
+}
+
+fn log_connection_end<E: std::fmt::Display>(served: Result<(), E>) {
+    if let Err(error) = served {
+        tracing::debug!(%error, "webhook connection ended with an error");
     }
 }
 

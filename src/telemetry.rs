@@ -17,6 +17,12 @@ pub enum LogFormat {
     Json,
 }
 
+/// Log lines queued for the writer thread before a request that logs waits
+/// for it. The queue is allocated and touched whole at start-up (32 bytes a
+/// line), so the library's default of 128,000 would cost 4 MiB of resident
+/// memory for a burst the writer drains in a fraction of a second anyway.
+const BUFFERED_LINES: usize = 16_384;
+
 /// Installs the global subscriber; later calls are ignored. Keep the guard
 /// until exit: dropping it flushes the lines not yet written.
 #[must_use = "dropping the guard stops the log writer"]
@@ -26,6 +32,7 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
         .unwrap_or_else(|_| EnvFilter::new("info"));
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .lossy(false)
+        .buffered_lines_limit(BUFFERED_LINES)
         .finish(std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
