@@ -446,7 +446,7 @@ impl BatchRunner {
                 .into_iter()
                 .partition(|&i| keys.insert((&*requests[i].source, requests[i].key.as_str())));
             let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
-            for (slot, claim) in round.iter().zip(self.claim_isolated(&round_requests).await) {
+            for (slot, claim) in round.iter().zip(self.isolated(&round_requests).await) {
                 claims[*slot] = Some(claim);
             }
             pending = later;
@@ -460,40 +460,37 @@ impl BatchRunner {
     /// One statement for the round; if the database refuses it (rather than
     /// being unreachable), each key is retried alone, so that a row it cannot
     /// take fails only its own request.
-    async fn claim_isolated(&self, requests: &[&ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
-        match self.claim_round(requests).await {
-            Ok(claims) => claims.into_iter().map(Ok).collect(),
+    async fn isolated<R: Round>(&self, requests: &[&R]) -> Vec<Result<R::Outcome, StoreError>> {
+        match R::run(self, requests).await {
+            Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
             Err(StoreError::Refused(_)) if requests.len() > 1 => {
-                let mut claims = Vec::with_capacity(requests.len());
+                let mut outcomes = Vec::with_capacity(requests.len());
                 for request in requests {
-                    let claim = self.claim_round(&[request]).await;
-                    claims.push(claim.map(|mut one| one.remove(0)));
+                    let outcome = R::run(self, &[*request]).await;
+                    outcomes.push(outcome.map(|mut one| one.remove(0)));
                 }
-                claims
+                outcomes
             }
             Err(error) => vec![Err(error); requests.len()],
         }
     }
 
     async fn claim_round(&self, requests: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
-        let sources: Vec<&str> = requests.iter().map(|r| &*r.source).collect();
-        let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
-        let hashes: Vec<&[u8]> = requests.iter().map(|r| &r.payload_sha256[..]).collect();
-        let leases: Vec<i64> = requests
-            .iter()
-            .map(|r| i64::try_from(r.lease.as_millis()).unwrap_or(i64::MAX))
-            .collect();
         let rows = match requests {
             [one] => {
                 let params: &Params<'_> = &[
                     (&&*one.source, Type::TEXT),
                     (&one.key, Type::TEXT),
-                    (&hashes[0], Type::BYTEA),
-                    (&leases[0], Type::INT8),
+                    (&&one.payload_sha256[..], Type::BYTEA),
+                    (&lease_ms(one), Type::INT8),
                 ];
                 self.session.query(&self.sql.claim_one, params).await?
             }
             _ => {
+                let sources: Vec<&str> = requests.iter().map(|r| &*r.source).collect();
+                let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+                let hashes: Vec<&[u8]> = requests.iter().map(|r| &r.payload_sha256[..]).collect();
+                let leases: Vec<i64> = requests.iter().map(|r| lease_ms(r)).collect();
                 let params: &Params<'_> = &[
                     (&sources, Type::TEXT_ARRAY),
                     (&keys, Type::TEXT_ARRAY),
@@ -522,53 +519,40 @@ impl BatchRunner {
     /// key at a time.
     async fn settle_batch(self, requests: Vec<SettleRequest>) -> Vec<Result<bool, StoreError>> {
         let all: Vec<&SettleRequest> = requests.iter().collect();
-        match self.settle_round(&all).await {
-            Ok(settled) => settled.into_iter().map(Ok).collect(),
-            Err(StoreError::Refused(_)) if requests.len() > 1 => {
-                let mut settled = Vec::with_capacity(requests.len());
-                for request in &requests {
-                    settled.push(self.settle_round(&[request]).await.map(|one| one[0]));
-                }
-                settled
-            }
-            Err(error) => vec![Err(error); requests.len()],
-        }
+        self.isolated(&all).await
     }
 
     async fn settle_round(&self, requests: &[&SettleRequest]) -> Result<Vec<bool>, StoreError> {
-        let sources: Vec<&str> = requests.iter().map(|r| r.source.as_str()).collect();
-        let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
-        let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
-        let statuses: Vec<&str> = requests
-            .iter()
-            .map(|r| r.settlement.status.as_str())
-            .collect();
-        let response_statuses: Vec<Option<i16>> = requests
-            .iter()
-            .map(|r| {
-                r.settlement
-                    .response_status
-                    .map(|s| i16::try_from(s).unwrap_or(i16::MAX))
-            })
-            .collect();
-        let rows = if requests.len() == 1 {
-            let params: &Params<'_> = &[
-                (&sources[0], Type::TEXT),
-                (&keys[0], Type::TEXT),
-                (&attempts[0], Type::INT4),
-                (&statuses[0], Type::TEXT),
-                (&response_statuses[0], Type::INT2),
-            ];
-            self.session.query(&self.sql.settle_one, params).await?
-        } else {
-            let params: &Params<'_> = &[
-                (&sources, Type::TEXT_ARRAY),
-                (&keys, Type::TEXT_ARRAY),
-                (&attempts, Type::INT4_ARRAY),
-                (&statuses, Type::TEXT_ARRAY),
-                (&response_statuses, Type::INT2_ARRAY),
-            ];
-            self.session.query(&self.sql.settle, params).await?
+        let rows = match requests {
+            [one] => {
+                let params: &Params<'_> = &[
+                    (&one.source, Type::TEXT),
+                    (&one.key, Type::TEXT),
+                    (&one.attempt, Type::INT4),
+                    (&one.settlement.status.as_str(), Type::TEXT),
+                    (&response_status(one), Type::INT2),
+                ];
+                self.session.query(&self.sql.settle_one, params).await?
+            }
+            _ => {
+                let sources: Vec<&str> = requests.iter().map(|r| r.source.as_str()).collect();
+                let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+                let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
+                let statuses: Vec<&str> = requests
+                    .iter()
+                    .map(|r| r.settlement.status.as_str())
+                    .collect();
+                let response_statuses: Vec<Option<i16>> =
+                    requests.iter().map(|r| response_status(r)).collect();
+                let params: &Params<'_> = &[
+                    (&sources, Type::TEXT_ARRAY),
+                    (&keys, Type::TEXT_ARRAY),
+                    (&attempts, Type::INT4_ARRAY),
+                    (&statuses, Type::TEXT_ARRAY),
+                    (&response_statuses, Type::INT2_ARRAY),
+                ];
+                self.session.query(&self.sql.settle, params).await?
+            }
         };
         let mut settled = vec![false; requests.len()];
         for row in &rows {
@@ -579,6 +563,45 @@ impl BatchRunner {
         }
         Ok(settled)
     }
+}
+
+/// What one round of a batch runs: claims or settles, as one statement for
+/// the round's keys (none twice).
+trait Round: Sized {
+    /// Each key's result.
+    type Outcome: Clone;
+
+    async fn run(
+        runner: &BatchRunner,
+        requests: &[&Self],
+    ) -> Result<Vec<Self::Outcome>, StoreError>;
+}
+
+impl Round for ClaimRequest {
+    type Outcome = Claim;
+
+    async fn run(runner: &BatchRunner, requests: &[&Self]) -> Result<Vec<Claim>, StoreError> {
+        runner.claim_round(requests).await
+    }
+}
+
+impl Round for SettleRequest {
+    type Outcome = bool;
+
+    async fn run(runner: &BatchRunner, requests: &[&Self]) -> Result<Vec<bool>, StoreError> {
+        runner.settle_round(requests).await
+    }
+}
+
+fn lease_ms(request: &ClaimRequest) -> i64 {
+    i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn response_status(request: &SettleRequest) -> Option<i16> {
+    request
+        .settlement
+        .response_status
+        .map(|status| i16::try_from(status).unwrap_or(i16::MAX))
 }
 
 fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
