@@ -14,7 +14,7 @@
 --
 -- Event ids are 18 digits: nonce (6), thread (3), counter (9). The
 -- pre-populated keys use thread 999, so both modes and the pgbench
--- baselines (bench/pgbench/*.sql) use keys of the same shape and length.
+-- baselines (PGBENCH_KEYS in bench/bench.py) use keys of the same shape and length.
 
 local mode = os.getenv("BENCH_MODE") or "unique"
 local nonce = tonumber(os.getenv("BENCH_NONCE") or "100000")
