@@ -95,12 +95,18 @@ struct Trace {
 }
 
 impl Proxy {
-    /// Builds the proxy from validated configuration.
-    pub fn new(config: &Config, store: Store, metrics: Metrics) -> Result<Self, String> {
+    /// Builds the proxy from validated configuration, with an upstream
+    /// client for each of `lanes` serving threads.
+    pub fn new(
+        config: &Config,
+        store: Store,
+        metrics: Metrics,
+        lanes: usize,
+    ) -> Result<Self, String> {
         Ok(Self {
             routes: Routes::compile(config)?,
             store,
-            upstream: Upstream::new(&config.upstream)
+            upstream: Upstream::new(&config.upstream, lanes)
                 .map_err(|error| format!("upstream: {error}"))?,
             metrics,
             open_claims: Arc::default(),

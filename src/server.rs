@@ -11,9 +11,12 @@ use std::time::Duration;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
+
+mod serving;
+
+use serving::{ServingThreads, Webhooks};
 
 use crate::admin::Admin;
 use crate::config::Config;
@@ -22,7 +25,6 @@ use crate::proxy::Proxy;
 use crate::prune::{PrunePlan, Pruner};
 use crate::store::{Store, StoreError};
 use crate::tls::{CertificateReloader, TlsError};
-use crate::upstream::Peer;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_rustls::TlsAcceptor;
 
@@ -30,9 +32,6 @@ use tokio_rustls::TlsAcceptor;
 const MAX_HEADERS: usize = 100;
 /// HTTP/2 header block size; HTTP/1 is bounded by hyper's read buffer.
 const MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
-
-/// How long a client may take to complete the TLS handshake.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +53,9 @@ pub enum StartError {
     /// The TLS certificate or key could not be loaded.
     #[error("tls: {0}")]
     Tls(#[from] TlsError),
+    /// A webhook serving thread could not be started.
+    #[error("cannot start a serving thread: {0}")]
+    ServingThread(std::io::Error),
 }
 
 /// A bound, not yet running proxy.
@@ -61,17 +63,18 @@ pub struct Application {
     proxy: Arc<Proxy>,
     admin: Arc<Admin>,
     webhook_listener: TcpListener,
+    serving: ServingThreads,
     admin_listener: TcpListener,
     tls: Option<Arc<CertificateReloader>>,
     pruner: Pruner,
     prune_interval: Duration,
     migrate: bool,
-    shutdown_grace: Duration,
-    header_read_timeout: Duration,
 }
 
 impl Application {
-    /// Opens the store and binds both listeners (port 0 picks a free port).
+    /// Opens the store, binds both listeners (port 0 picks a free port) and
+    /// starts the webhook serving threads, which get no connections until
+    /// [`Application::run_until_stopped`].
     pub async fn build(config: &Config) -> Result<Self, StartError> {
         crate::tls::install_crypto_provider();
         let tls = match &config.tls {
@@ -93,17 +96,27 @@ impl Application {
             schema_ready: Arc::new(AtomicBool::new(!config.store.migrate)),
         });
         let pruner = Pruner::new(store.clone(), PrunePlan::new(config, None), metrics.clone());
+        let lanes = serving_threads();
+        let proxy = Arc::new(Proxy::new(config, store, metrics, lanes).map_err(StartError::Route)?);
+        let webhooks = Webhooks {
+            proxy: Arc::clone(&proxy),
+            tls: tls
+                .as_ref()
+                .map(|reloader| TlsAcceptor::from(reloader.server_config())),
+            grace: config.shutdown_grace,
+            header_read_timeout: config.limits.header_read_timeout,
+        };
+        let serving = ServingThreads::start(lanes, &webhooks).map_err(StartError::ServingThread)?;
         Ok(Self {
-            proxy: Arc::new(Proxy::new(config, store, metrics).map_err(StartError::Route)?),
+            proxy,
             admin,
             webhook_listener,
+            serving,
             admin_listener,
             tls,
             pruner,
             prune_interval: config.store.prune_interval,
             migrate: config.store.migrate,
-            shutdown_grace: config.shutdown_grace,
-            header_read_timeout: config.limits.header_read_timeout,
         })
     }
 
@@ -122,6 +135,7 @@ impl Application {
         tracing::info!(
             listen = %self.webhook_addr(),
             admin_listen = %self.admin_addr(),
+            serving_threads = self.serving.len(),
             "dedupe-proxy serving"
         );
         if self.migrate {
@@ -135,19 +149,11 @@ impl Application {
         let admin = Arc::clone(&self.admin);
         let admin_stop = stop.clone();
         let admin_task = tokio::spawn(serve_admin(self.admin_listener, admin, admin_stop));
-        let tls = self.tls.map(|reloader| {
-            tokio::spawn(reload_on_sighup(Arc::clone(&reloader), stop.clone()));
-            TlsAcceptor::from(reloader.server_config())
-        });
-        serve_webhooks(
-            self.webhook_listener,
-            tls,
-            Arc::clone(&self.proxy),
-            stop,
-            self.shutdown_grace,
-            self.header_read_timeout,
-        )
-        .await;
+        if let Some(reloader) = self.tls {
+            tokio::spawn(reload_on_sighup(reloader, stop.clone()));
+        }
+        self.serving.accept(self.webhook_listener, &stop).await;
+        let drained = self.serving.drain().await;
         let open = self.proxy.open_claims().len();
         if open > 0 {
             let settled = self
@@ -161,80 +167,16 @@ impl Application {
                 "grace period ended with claims open; they were released"
             );
         }
+        drained.release().await;
         let _ = admin_task.await;
         let _ = pruner_task.await;
         tracing::info!("dedupe-proxy stopped");
     }
 }
 
-async fn serve_webhooks(
-    listener: TcpListener,
-    tls: Option<TlsAcceptor>,
-    proxy: Arc<Proxy>,
-    stop: CancellationToken,
-    grace: Duration,
-    header_read_timeout: Duration,
-) {
-    let graceful = GracefulShutdown::new();
-    let builder = Arc::new(connection_builder(header_read_timeout));
-    loop {
-        let (stream, addr) = tokio::select! {
-            () = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!(%error, "accept failed");
-                    continue;
-                }
-            },
-        };
-        let proxy = Arc::clone(&proxy);
-        let peer = Peer {
-            addr,
-            tls: tls.is_some(),
-        };
-        let service = service_fn(move |request| {
-            let proxy = Arc::clone(&proxy);
-            async move { Ok::<_, std::convert::Infallible>(proxy.handle(request, peer).await) }
-        });
-        let (builder, watcher) = (Arc::clone(&builder), graceful.watcher());
-        let _ = stream.set_nodelay(true);
-        // One task type per transport: a task is as large as its largest
-        // state, and a plain connection should not carry room for a TLS
-        // session for as long as it stays open.
-        match tls.clone() {
-            None => tokio::spawn(async move {
-                let connection = builder.serve_connection(TokioIo::new(stream), service);
-                log_connection_end(watcher.watch(connection.into_owned()).await);
-            }),
-            Some(acceptor) => tokio::spawn(async move {
-                let handshake =
-                    tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
-                let Ok(Ok(stream)) = handshake.await else {
-                    tracing::debug!(%addr, "TLS handshake failed or timed out");
-                    return;
-                };
-                let connection = builder.serve_connection(TokioIo::new(stream), service);
-                log_connection_end(watcher.watch(connection.into_owned()).await);
-            }),
-        };
-    }
-    drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            ?grace,
-            "shutdown grace period ended with requests still in flight"
-        );
-    }
-}
-
-fn log_connection_end<E: std::fmt::Display>(served: Result<(), E>) {
-    if let Err(error) = served {
-        tracing::debug!(%error, "webhook connection ended with an error");
-    }
+/// How many threads serve webhooks: one per core the process may use.
+fn serving_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
 async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {

@@ -3,6 +3,7 @@
 //! (hop-by-hop fields per RFC 9110 section 7.6.1, `X-Forwarded-*`, the
 //! proxy's own `X-Dedupe-*` fields). Knows nothing about claims.
 
+use std::cell::Cell;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -38,9 +39,23 @@ pub enum UpstreamError {
 /// A request body: buffered, or streamed through from the sender.
 pub type RequestBody = BoxBody<Bytes, hyper::Error>;
 
-/// The pooled client and where it sends requests.
+type PooledClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
+
+thread_local! {
+    static LANE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Makes the calling thread use client `lane` of every [`Upstream`]. Each
+/// serving thread takes its own lane, so a request and the pooled upstream
+/// connection it goes out on are driven by the same thread and handing one
+/// to the other wakes no other thread.
+pub fn use_lane(lane: usize) {
+    LANE.with(|current| current.set(lane));
+}
+
+/// The pooled clients, one per serving thread, and where they send requests.
 pub struct Upstream {
-    client: Client<HttpsConnector<HttpConnector>, RequestBody>,
+    clients: Box<[PooledClient]>,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
     base_path: String,
@@ -76,9 +91,10 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 ];
 
 impl Upstream {
-    /// A client for `config.url` (validated by the configuration). An
-    /// `https://` upstream is verified against `ca_file` or the system roots.
-    pub fn new(config: &UpstreamConfig) -> Result<Self, TlsError> {
+    /// Clients for `config.url` (validated by the configuration), one for
+    /// each of `lanes` serving threads. An `https://` upstream is verified
+    /// against `ca_file` or the system roots.
+    pub fn new(config: &UpstreamConfig, lanes: usize) -> Result<Self, TlsError> {
         let url: Uri = config.url.parse().expect("validated upstream.url");
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
@@ -97,15 +113,20 @@ impl Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(connector);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            // A request that never left a pooled connection found closed
-            // (the upstream restarted) goes out again on a fresh one; one
-            // whose bytes were written is never resent: it fails (502).
-            .retry_canceled_requests(true)
-            .build(connector);
+        let clients = (0..lanes.max(1))
+            .map(|_| {
+                Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(60))
+                    // A request that never left a pooled connection found
+                    // closed (the upstream restarted) goes out again on a
+                    // fresh one; one whose bytes were written is never
+                    // resent: it fails (502).
+                    .retry_canceled_requests(true)
+                    .build(connector.clone())
+            })
+            .collect();
         Ok(Self {
-            client,
+            clients,
             scheme: url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP),
             authority: url.authority().cloned().expect("validated: url has a host"),
             base_path: url.path().trim_end_matches('/').to_owned(),
@@ -126,7 +147,8 @@ impl Upstream {
         parts.version = http::Version::HTTP_11;
         prepare_request_headers(&mut parts, peer, dedupe);
         let request = Request::from_parts(parts, body);
-        match tokio::time::timeout(self.timeout, self.client.request(request)).await {
+        let client = &self.clients[LANE.with(Cell::get) % self.clients.len()];
+        match tokio::time::timeout(self.timeout, client.request(request)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(Err(error)) if error.is_connect() => {
                 Err(UpstreamError::Connect(error_chain(&error)))
@@ -294,10 +316,13 @@ mod tests {
     #[test]
     fn target_keeps_the_base_path_and_query() {
         tls::install_crypto_provider();
-        let upstream = Upstream::new(&UpstreamConfig {
-            url: "http://app:3000/base/".into(),
-            ..Default::default()
-        })
+        let upstream = Upstream::new(
+            &UpstreamConfig {
+                url: "http://app:3000/base/".into(),
+                ..Default::default()
+            },
+            1,
+        )
         .unwrap();
         assert_eq!(
             upstream
