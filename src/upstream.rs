@@ -1,9 +1,10 @@
-//! The upstream application: a pooled HTTP client with connect and response
-//! timeouts, and the header rewriting a forwarding proxy owes both sides
+//! The upstream application: kept-alive connections (a set per serving
+//! thread) with connect and response timeouts, and the header rewriting a forwarding proxy owes both sides
 //! (hop-by-hop fields per RFC 9110 section 7.6.1, `X-Forwarded-*`, the
 //! proxy's own `X-Dedupe-*` fields). Knows nothing about claims.
 
-use std::cell::Cell;
+mod pool;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -13,14 +14,11 @@ use http::request::Parts;
 use http::{Request, Response, Uri};
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use crate::config::UpstreamConfig;
-use crate::error_chain;
-use crate::tls::{self, TlsError};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use crate::tls::TlsError;
+use pool::Pool;
+pub use pool::use_lane;
 
 /// Why the upstream gave no response.
 #[derive(Debug, thiserror::Error)]
@@ -39,25 +37,14 @@ pub enum UpstreamError {
 /// A request body: buffered, or streamed through from the sender.
 pub type RequestBody = BoxBody<Bytes, hyper::Error>;
 
-type PooledClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
+/// How long a kept-alive upstream connection may sit unused.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-thread_local! {
-    static LANE: Cell<usize> = const { Cell::new(0) };
-}
-
-/// Makes the calling thread use client `lane` of every [`Upstream`]. Each
-/// serving thread takes its own lane, so a request and the pooled upstream
-/// connection it goes out on are driven by the same thread and handing one
-/// to the other wakes no other thread.
-pub fn use_lane(lane: usize) {
-    LANE.with(|current| current.set(lane));
-}
-
-/// The pooled clients, one per serving thread, and where they send requests.
+/// The upstream's connections and where requests go.
 pub struct Upstream {
-    clients: Box<[PooledClient]>,
-    scheme: http::uri::Scheme,
-    authority: http::uri::Authority,
+    pool: Pool,
+    /// `Host` for a request that came without one (HTTP/1.0).
+    default_host: HeaderValue,
     base_path: String,
     timeout: Duration,
 }
@@ -91,44 +78,16 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 ];
 
 impl Upstream {
-    /// Clients for `config.url` (validated by the configuration), one for
-    /// each of `lanes` serving threads. An `https://` upstream is verified
-    /// against `ca_file` or the system roots.
+    /// Forwards to `config.url` (validated by the configuration), with a set
+    /// of connections for each of `lanes` serving threads. An `https://`
+    /// upstream is verified against `ca_file` or the system roots.
     pub fn new(config: &UpstreamConfig, lanes: usize) -> Result<Self, TlsError> {
         let url: Uri = config.url.parse().expect("validated upstream.url");
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.set_nodelay(true);
-        connector.enforce_http(false);
-        let tls = if url.scheme() == Some(&http::uri::Scheme::HTTPS) {
-            tls::client_config(config.ca_file.as_deref())?
-        } else {
-            // Never used for http:// upstreams; no roots needed.
-            rustls::ClientConfig::builder()
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_no_client_auth()
-        };
-        let connector = HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(connector);
-        let clients = (0..lanes.max(1))
-            .map(|_| {
-                Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(Duration::from_secs(60))
-                    // A request that never left a pooled connection found
-                    // closed (the upstream restarted) goes out again on a
-                    // fresh one; one whose bytes were written is never
-                    // resent: it fails (502).
-                    .retry_canceled_requests(true)
-                    .build(connector.clone())
-            })
-            .collect();
+        let authority = url.authority().expect("validated: url has a host");
         Ok(Self {
-            clients,
-            scheme: url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP),
-            authority: url.authority().cloned().expect("validated: url has a host"),
+            pool: Pool::new(config, lanes, IDLE_TIMEOUT)?,
+            default_host: HeaderValue::from_str(authority.as_str())
+                .expect("an authority is a valid header value"),
             base_path: url.path().trim_end_matches('/').to_owned(),
             timeout: config.timeout,
         })
@@ -143,17 +102,19 @@ impl Upstream {
         peer: Peer,
         dedupe: Option<DedupeHeaders>,
     ) -> Result<Response<Incoming>, UpstreamError> {
+        prepare_request_headers(&mut parts, peer, dedupe);
+        if !parts.headers.contains_key(header::HOST) {
+            // An HTTP/1.0 request may come without one; HTTP/1.1 needs it.
+            parts
+                .headers
+                .insert(header::HOST, self.default_host.clone());
+        }
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
-        prepare_request_headers(&mut parts, peer, dedupe);
         let request = Request::from_parts(parts, body);
-        let client = &self.clients[LANE.with(Cell::get) % self.clients.len()];
-        match tokio::time::timeout(self.timeout, client.request(request)).await {
+        match tokio::time::timeout(self.timeout, self.pool.send(request)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-            Ok(Err(error)) if error.is_connect() => {
-                Err(UpstreamError::Connect(error_chain(&error)))
-            }
-            Ok(Err(error)) => Err(UpstreamError::Failed(error_chain(&error))),
+            Ok(Err(error)) => Err(error),
             Ok(Ok(mut response)) => {
                 strip_hop_by_hop(response.headers_mut());
                 Ok(response)
@@ -161,14 +122,19 @@ impl Upstream {
         }
     }
 
+    /// The origin-form target on the upstream: its base path, then the
+    /// request's path and query.
     fn target(&self, uri: &Uri) -> Uri {
-        let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
-        Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(format!("{}{}", self.base_path, path_and_query))
-            .build()
-            .expect("a valid base and a valid path make a valid URI")
+        let path_and_query = match uri.path_and_query() {
+            Some(path_and_query) if self.base_path.is_empty() => path_and_query.clone(),
+            path_and_query => {
+                let path_and_query = path_and_query.map_or("/", |pq| pq.as_str());
+                format!("{}{}", self.base_path, path_and_query)
+                    .parse()
+                    .expect("a valid base and a valid path make a valid path")
+            }
+        };
+        Uri::from(path_and_query)
     }
 }
 
@@ -315,7 +281,7 @@ mod tests {
 
     #[test]
     fn target_keeps_the_base_path_and_query() {
-        tls::install_crypto_provider();
+        crate::tls::install_crypto_provider();
         let upstream = Upstream::new(
             &UpstreamConfig {
                 url: "http://app:3000/base/".into(),
@@ -328,7 +294,7 @@ mod tests {
             upstream
                 .target(&"/hooks/a?x=1".parse().unwrap())
                 .to_string(),
-            "http://app:3000/base/hooks/a?x=1"
+            "/base/hooks/a?x=1"
         );
     }
 }

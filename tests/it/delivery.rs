@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
 use crate::on_both_stores;
 use crate::support::{Backend, Behavior, Gate, TestApp};
 use dedupe_proxy::config::{Mode, OnPayloadMismatch, StatusMatch};
@@ -358,4 +360,29 @@ async fn missing_key_can_be_forwarded_without_dedupe(backend: Backend) {
     }
     assert_eq!(app.upstream.count(), 2);
     assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
+}
+
+/// The upstream URL's path is put before the request's path, and an HTTP/1.0
+/// request that came without `Host` reaches the upstream with its host.
+#[tokio::test]
+async fn the_upstream_gets_its_base_path_and_a_host() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("{}/app/", config.upstream.url);
+    })
+    .await;
+    let mut stream = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    stream
+        .write_all(b"GET /status?verbose=1 HTTP/1.0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    let seen = app.upstream.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].uri, "/app/status?verbose=1");
+    assert_eq!(
+        seen[0].header("host"),
+        Some(app.upstream.addr.to_string().as_str())
+    );
 }
