@@ -99,7 +99,9 @@ impl Pool {
         loop {
             let (mut sender, reused) = match self.checkout() {
                 Some(sender) => (sender, true),
-                None => (self.connect().await?, false),
+                // Boxed: connecting takes a large future that most requests,
+                // on a kept-alive connection, would otherwise carry and copy.
+                None => (Box::pin(self.connect()).await?, false),
             };
             match sender.try_send_request(request).await {
                 Ok(response) => {
