@@ -95,13 +95,16 @@ impl Upstream {
 
     /// Sends the request and waits for the response headers; the body is
     /// left to stream.
-    pub async fn send(
+    pub fn send(
         &self,
         mut parts: Parts,
         body: RequestBody,
         peer: Peer,
         dedupe: Option<DedupeHeaders>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + '_ {
+        // The request is prepared before the future is made, so the future
+        // holds only the finished request: it is boxed or moved on every
+        // request, and a smaller one is cheaper to allocate and copy.
         prepare_request_headers(&mut parts, peer, dedupe);
         if !parts.headers.contains_key(header::HOST) {
             // An HTTP/1.0 request may come without one; HTTP/1.1 needs it.
@@ -111,7 +114,13 @@ impl Upstream {
         }
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
-        let request = Request::from_parts(parts, body);
+        self.exchange(Request::from_parts(parts, body))
+    }
+
+    async fn exchange(
+        &self,
+        request: Request<RequestBody>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
         match tokio::time::timeout(self.timeout, self.pool.send(request)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(Err(error)) => Err(error),

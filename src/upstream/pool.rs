@@ -291,6 +291,11 @@ mod tests {
             .unwrap()
     }
 
+    async fn send_ok(pool: &Pool) {
+        let response = pool.send(get()).await.unwrap();
+        assert_eq!(body(response).await, "ok");
+    }
+
     async fn body(response: Response<Incoming>) -> Bytes {
         response.into_body().collect().await.unwrap().to_bytes()
     }
@@ -302,8 +307,7 @@ mod tests {
         let upstream = RawUpstream::start(Answer::Ok).await;
         let pool = upstream.pool(MINUTE);
         for _ in 0..3 {
-            let response = pool.send(get()).await.unwrap();
-            assert_eq!(body(response).await, "ok");
+            send_ok(&pool).await;
         }
         assert_eq!(upstream.connections(), 1);
         assert_eq!(pool.kept(), 1);
@@ -334,8 +338,7 @@ mod tests {
         let upstream = RawUpstream::start(Answer::OkThenClose).await;
         let pool = upstream.pool(MINUTE);
         for _ in 0..3 {
-            let response = pool.send(get()).await.unwrap();
-            assert_eq!(body(response).await, "ok");
+            send_ok(&pool).await;
         }
         assert_eq!(upstream.connections(), 3);
     }
@@ -345,8 +348,7 @@ mod tests {
         let upstream = RawUpstream::start(Answer::Ok).await;
         let pool = upstream.pool(Duration::ZERO);
         for _ in 0..2 {
-            let response = pool.send(get()).await.unwrap();
-            assert_eq!(body(response).await, "ok");
+            send_ok(&pool).await;
         }
         assert_eq!(upstream.connections(), 2);
         assert_eq!(pool.kept(), 1, "the expired one was dropped");
@@ -358,8 +360,7 @@ mod tests {
         let pool = upstream.pool(MINUTE);
         for lane in [0, 1, 0, 1] {
             use_lane(lane);
-            let response = pool.send(get()).await.unwrap();
-            assert_eq!(body(response).await, "ok");
+            send_ok(&pool).await;
         }
         use_lane(0);
         assert_eq!(upstream.connections(), 2);
