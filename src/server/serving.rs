@@ -267,7 +267,12 @@ struct OpenConnection(Arc<AtomicUsize>);
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        // A stopped thread's count stays marked, whatever it drops later.
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |open| {
+                (open != STOPPED).then(|| open - 1)
+            });
     }
 }
 
@@ -357,6 +362,12 @@ mod tests {
         }
         assert_eq!(open(&lanes), [STOPPED, 3]);
         assert_eq!(incoming[0].len(), 3);
+        drop(OpenConnection(Arc::clone(&lanes[0].open)));
+        assert_eq!(
+            open(&lanes)[0],
+            STOPPED,
+            "still marked after its connections end"
+        );
     }
 
     #[test]
