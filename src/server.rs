@@ -33,6 +33,9 @@ const MAX_HEADERS: usize = 100;
 /// HTTP/2 header block size; HTTP/1 is bounded by hyper's read buffer.
 const MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
 
+/// How long accepting pauses after an error that is not one connection's.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -179,15 +182,50 @@ fn serving_threads() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
+/// The next connection on `listener`, or `None` once `stop` is cancelled.
+/// Failures are logged, with a pause after those that are not one
+/// connection's own.
+async fn accept_next(
+    listener: &TcpListener,
+    stop: &CancellationToken,
+) -> Option<(TcpStream, SocketAddr)> {
+    loop {
+        let error = tokio::select! {
+            () = stop.cancelled() => return None,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => return Some(accepted),
+                Err(error) => error,
+            },
+        };
+        let local = listener.local_addr().ok();
+        tracing::warn!(?local, %error, "accept failed");
+        if let Some(pause) = pause_after(&error) {
+            tokio::select! {
+                () = stop.cancelled() => return None,
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+}
+
+/// How long to stop accepting after `error`. One connection's failure
+/// (reset or aborted before it was accepted) leaves the next accept fine;
+/// anything else, such as running out of file descriptors or memory, fails
+/// again at once until a connection closes, and retrying without a pause
+/// would spin a core and flood the log.
+fn pause_after(error: &std::io::Error) -> Option<Duration> {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset, Interrupted};
+    match error.kind() {
+        ConnectionAborted | ConnectionRefused | ConnectionReset | Interrupted => None,
+        _ => Some(ACCEPT_ERROR_PAUSE),
+    }
+}
+
 async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {
     let builder = connection_builder(Duration::from_secs(30));
     loop {
-        let stream = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(_) => continue,
-            },
+        let Some((stream, _)) = accept_next(&listener, &stop).await else {
+            return;
         };
         let admin = Arc::clone(&admin);
         let service = service_fn(move |request| {
@@ -260,5 +298,26 @@ async fn migrate_until_done(store: Store, ready: Arc<AtomicBool>, stop: Cancella
             () = tokio::time::sleep(delay) => {}
         }
         delay = (delay * 2).min(Duration::from_secs(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepting_pauses_after_running_out_of_descriptors_but_not_after_a_reset() {
+        const EMFILE: i32 = 24;
+        const ENFILE: i32 = 23;
+        for exhausted in [EMFILE, ENFILE] {
+            let error = std::io::Error::from_raw_os_error(exhausted);
+            assert_eq!(pause_after(&error), Some(ACCEPT_ERROR_PAUSE), "{error}");
+        }
+        for one_connection in [
+            std::io::ErrorKind::ConnectionAborted,
+            std::io::ErrorKind::ConnectionReset,
+        ] {
+            assert_eq!(pause_after(&one_connection.into()), None);
+        }
     }
 }

@@ -87,17 +87,7 @@ impl ServingThreads {
 
     /// Accepts connections until `stop` is cancelled.
     pub async fn accept(&self, listener: TcpListener, stop: &CancellationToken) {
-        loop {
-            let (stream, addr) = tokio::select! {
-                () = stop.cancelled() => return,
-                accepted = listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        tracing::warn!(%error, "accept failed");
-                        continue;
-                    }
-                },
-            };
+        while let Some((stream, addr)) = super::accept_next(&listener, stop).await {
             let _ = stream.set_nodelay(true);
             match stream.into_std() {
                 Ok(stream) => hand_over(&self.lanes, (stream, addr)),

@@ -3,10 +3,11 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 
-use crate::support::{Backend, TestStore};
+use crate::support::{Backend, TestStore, Upstream};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dedupe-proxy");
 
@@ -28,10 +29,28 @@ impl ProxyProcess {
 
     /// Starts the binary with `RUST_LOG=filter`, keeping every stderr line.
     pub async fn start_with_log_filter(config: &str, filter: &str) -> Self {
+        Self::launch(config, filter, None).await
+    }
+
+    /// Starts the binary allowed at most `limit` open file descriptors.
+    pub async fn start_with_fd_limit(config: &str, limit: u32) -> Self {
+        Self::launch(config, "info", Some(limit)).await
+    }
+
+    async fn launch(config: &str, filter: &str, fd_limit: Option<u32>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).unwrap();
-        let mut child = Command::new(BINARY)
+        let mut command = match fd_limit {
+            None => Command::new(BINARY),
+            Some(limit) => {
+                // prlimit sets the limit, then execs the binary in its place.
+                let mut command = Command::new("prlimit");
+                command.arg(format!("--nofile={limit}")).arg(BINARY);
+                command
+            }
+        };
+        let mut child = command
             .args(["run", "--log-format", "json", "--config"])
             .arg(&path)
             .env("RUST_LOG", filter)
@@ -322,4 +341,50 @@ async fn sigterm_stops_the_binary_with_exit_code_0() {
     proxy.wait_ready().await;
     proxy.terminate();
     assert_eq!(proxy.wait().await.code(), Some(0));
+}
+
+/// Out of file descriptors, the proxy pauses accepting instead of retrying
+/// at once, and serves again as soon as connections close.
+#[tokio::test]
+async fn out_of_file_descriptors_the_proxy_pauses_accepting_and_recovers() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    // Enough to start (each serving thread's runtime takes a few) and little
+    // enough to run out of with connections.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let limit = 48 + 4 * u32::try_from(cores).unwrap();
+    let proxy = ProxyProcess::start_with_fd_limit(
+        &format!(
+            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\n",
+            upstream.url(),
+            store.url
+        ),
+        limit,
+    )
+    .await;
+    proxy.wait_ready().await;
+    let mut held = Vec::new();
+    for _ in 0..limit {
+        held.push(TcpStream::connect(proxy.addr).await.unwrap());
+    }
+    proxy.wait_for_log("accept failed").await;
+    drop(held);
+    let served = async {
+        loop {
+            let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+            stream
+                .write_all(b"GET /status HTTP/1.1\r\nhost: app\r\nconnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut answer = String::new();
+            let _ = stream.read_to_string(&mut answer).await;
+            if answer.starts_with("HTTP/1.1 200") {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), served)
+        .await
+        .expect("served again once descriptors were free");
+    assert!(upstream.count() >= 1);
 }
