@@ -95,8 +95,8 @@ struct Trace {
 }
 
 impl Proxy {
-    /// Builds the proxy from validated configuration, with an upstream
-    /// client for each of `lanes` serving threads.
+    /// Builds the proxy from validated configuration, with upstream
+    /// connections kept apart for each of `lanes` serving threads.
     pub fn new(
         config: &Config,
         store: Store,

@@ -85,7 +85,7 @@ impl Upstream {
         let url: Uri = config.url.parse().expect("validated upstream.url");
         let authority = url.authority().expect("validated: url has a host");
         Ok(Self {
-            pool: Pool::new(config, lanes, IDLE_TIMEOUT)?,
+            pool: Pool::new(config, &url, lanes, IDLE_TIMEOUT)?,
             default_host: HeaderValue::from_str(authority.as_str())
                 .expect("an authority is a valid header value"),
             base_path: url.path().trim_end_matches('/').to_owned(),
@@ -105,13 +105,7 @@ impl Upstream {
         // The request is prepared before the future is made, so the future
         // holds only the finished request: it is boxed or moved on every
         // request, and a smaller one is cheaper to allocate and copy.
-        prepare_request_headers(&mut parts, peer, dedupe);
-        if !parts.headers.contains_key(header::HOST) {
-            // An HTTP/1.0 request may come without one; HTTP/1.1 needs it.
-            parts
-                .headers
-                .insert(header::HOST, self.default_host.clone());
-        }
+        prepare_request_headers(&mut parts, peer, dedupe, &self.default_host);
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
         self.exchange(Request::from_parts(parts, body))
@@ -147,7 +141,14 @@ impl Upstream {
     }
 }
 
-fn prepare_request_headers(parts: &mut Parts, peer: Peer, dedupe: Option<DedupeHeaders>) {
+/// `default_host` is the `Host` for a request that came with none (HTTP/1.0
+/// allows that; HTTP/1.1 to the upstream does not).
+fn prepare_request_headers(
+    parts: &mut Parts,
+    peer: Peer,
+    dedupe: Option<DedupeHeaders>,
+    default_host: &HeaderValue,
+) {
     let headers = &mut parts.headers;
     strip_hop_by_hop(headers);
     strip_dedupe_headers(headers);
@@ -157,9 +158,14 @@ fn prepare_request_headers(parts: &mut Parts, peer: Peer, dedupe: Option<DedupeH
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
-    if let Some(host) = original_host {
-        headers.insert(header::HOST, host.clone());
-        headers.insert(HeaderName::from_static("x-forwarded-host"), host);
+    match original_host {
+        Some(host) => {
+            headers.insert(header::HOST, host.clone());
+            headers.insert(HeaderName::from_static("x-forwarded-host"), host);
+        }
+        None => {
+            headers.insert(header::HOST, default_host.clone());
+        }
     }
     let client_ip = peer.addr.ip().to_string();
     let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
@@ -229,6 +235,10 @@ mod tests {
         }
     }
 
+    fn default_host() -> HeaderValue {
+        HeaderValue::from_static("app:3000")
+    }
+
     #[test]
     fn hop_by_hop_and_connection_named_fields_are_removed() {
         let mut parts = parts(&[
@@ -239,7 +249,7 @@ mod tests {
             ("upgrade", "h2c"),
             ("x-kept", "yes"),
         ]);
-        prepare_request_headers(&mut parts, peer(), None);
+        prepare_request_headers(&mut parts, peer(), None, &default_host());
         for gone in ["connection", "keep-alive", "x-private", "te", "upgrade"] {
             assert!(!parts.headers.contains_key(gone), "{gone} kept");
         }
@@ -258,13 +268,13 @@ mod tests {
             source: HeaderValue::from_static("orders"),
             attempt: 2,
         };
-        prepare_request_headers(&mut parts, peer(), Some(dedupe));
+        prepare_request_headers(&mut parts, peer(), Some(dedupe), &default_host());
         assert_eq!(parts.headers["x-dedupe-key"], "evt_1");
         assert_eq!(parts.headers["x-dedupe-source"], "orders");
         assert_eq!(parts.headers["x-dedupe-attempt"], "2");
         assert!(!parts.headers.contains_key("x-dedupe-other"));
         let mut unmatched = self::parts(&[("x-dedupe-key", "forged")]);
-        prepare_request_headers(&mut unmatched, peer(), None);
+        prepare_request_headers(&mut unmatched, peer(), None, &default_host());
         assert!(!unmatched.headers.contains_key("x-dedupe-key"));
     }
 
@@ -281,6 +291,7 @@ mod tests {
                 ..peer()
             },
             None,
+            &default_host(),
         );
         assert_eq!(parts.headers["host"], "hooks.example.com");
         assert_eq!(parts.headers["x-forwarded-host"], "hooks.example.com");

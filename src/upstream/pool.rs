@@ -48,15 +48,15 @@ struct Idle {
 }
 
 impl Pool {
-    /// A pool for `config.url` (validated by the configuration) with a set
-    /// of connections for each of `lanes` serving threads. An `https://`
-    /// upstream is verified against `ca_file` or the system roots.
+    /// A pool for `url` (`config.url`, validated by the configuration) with
+    /// a set of connections for each of `lanes` serving threads. An
+    /// `https://` upstream is verified against `ca_file` or the system roots.
     pub fn new(
         config: &UpstreamConfig,
+        url: &Uri,
         lanes: usize,
         idle_timeout: Duration,
     ) -> Result<Self, TlsError> {
-        let url: Uri = config.url.parse().expect("validated upstream.url");
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
@@ -240,7 +240,7 @@ mod tests {
                 ..Default::default()
             };
             tls::install_crypto_provider();
-            Pool::new(&config, 2, idle_timeout).unwrap()
+            Pool::new(&config, &self.url.parse().unwrap(), 2, idle_timeout).unwrap()
         }
     }
 
@@ -296,6 +296,13 @@ mod tests {
         assert_eq!(body(response).await, "ok");
     }
 
+    /// Sends `count` requests, each after the previous one's answer.
+    async fn send_in_turn(pool: &Pool, count: usize) {
+        for _ in 0..count {
+            send_ok(pool).await;
+        }
+    }
+
     async fn body(response: Response<Incoming>) -> Bytes {
         response.into_body().collect().await.unwrap().to_bytes()
     }
@@ -306,9 +313,7 @@ mod tests {
     async fn one_connection_serves_requests_one_after_another() {
         let upstream = RawUpstream::start(Answer::Ok).await;
         let pool = upstream.pool(MINUTE);
-        for _ in 0..3 {
-            send_ok(&pool).await;
-        }
+        send_in_turn(&pool, 3).await;
         assert_eq!(upstream.connections(), 1);
         assert_eq!(pool.kept(), 1);
     }
@@ -337,9 +342,7 @@ mod tests {
     async fn a_connection_the_upstream_closes_is_not_kept() {
         let upstream = RawUpstream::start(Answer::OkThenClose).await;
         let pool = upstream.pool(MINUTE);
-        for _ in 0..3 {
-            send_ok(&pool).await;
-        }
+        send_in_turn(&pool, 3).await;
         assert_eq!(upstream.connections(), 3);
     }
 
@@ -347,9 +350,7 @@ mod tests {
     async fn an_idle_connection_past_the_idle_timeout_is_closed() {
         let upstream = RawUpstream::start(Answer::Ok).await;
         let pool = upstream.pool(Duration::ZERO);
-        for _ in 0..2 {
-            send_ok(&pool).await;
-        }
+        send_in_turn(&pool, 2).await;
         assert_eq!(upstream.connections(), 2);
         assert_eq!(pool.kept(), 1, "the expired one was dropped");
     }
@@ -372,11 +373,11 @@ mod tests {
         let url = format!("http://{}", listener.local_addr().unwrap());
         drop(listener);
         let config = UpstreamConfig {
-            url,
+            url: url.clone(),
             ..Default::default()
         };
         tls::install_crypto_provider();
-        let pool = Pool::new(&config, 1, MINUTE).unwrap();
+        let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
         let error = pool.send(get()).await.unwrap_err();
         assert!(matches!(error, UpstreamError::Connect(_)), "{error:?}");
     }
