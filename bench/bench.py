@@ -179,8 +179,11 @@ def parse_args(argv):
                    help="1 repetition of 2 s at 16 and 64, 1 s warm-up: checks the harness, "
                         "its numbers mean little")
     p.add_argument("--profile", choices=["callgrind", "perf"], default=None,
-                   help="instead of the benchmark, profile the proxy under first deliveries: "
+                   help="instead of the benchmark, profile the proxy under --profile-scenario: "
                         "callgrind (instructions, user space) or perf (cpu-clock samples, all processes)")
+    p.add_argument("--profile-scenario", choices=["pg-first", "pg-dup", "proxy-pass"],
+                   default=env("BENCH_PROFILE_SCENARIO", "pg-first"),
+                   help="the load the proxy is profiled under (BENCH_PROFILE_SCENARIO)")
     p.add_argument("--report", metavar="JSON", default=None,
                    help="print the report of a saved run (bench/results/bench-*.json) again, "
                         "and redraw its plot; runs nothing")
@@ -1076,14 +1079,16 @@ class Bench:
 
     def profile_callgrind(self):
         """The PostgreSQL proxy under callgrind, first deliveries at 16
-        connections: instructions per function, user space only."""
+        connections (or --profile-scenario): instructions per function, user
+        space only."""
         data = self.tmp / "callgrind.out"
         self.procs.stop(self.proxy_pg.proc)
         self.proxy_pg = self.start_proxy("proxy-pg", self.pg.url(), wrapper=(
             "valgrind", "--tool=callgrind", f"--callgrind-out-file={data}"))
-        run = self.run_one(BY_NAME["pg-first"], 16, 1, 1, record=False, duration=self.a.profile_seconds)
+        scenario = self.a.profile_scenario
+        run = self.run_one(BY_NAME[scenario], 16, 1, 1, record=False, duration=self.a.profile_seconds)
         self.procs.stop(self.proxy_pg.proc, timeout=120)
-        parts = [f"callgrind: pg-first at 16 connections for {self.a.profile_seconds:g} s: "
+        parts = [f"callgrind: {scenario} at 16 connections for {self.a.profile_seconds:g} s: "
                  f"{run.requests} requests ({run.rps:.0f} req/s under valgrind)\n"]
         for inclusive in ("no", "yes"):
             r = subprocess.run(["callgrind_annotate", f"--inclusive={inclusive}", "--threshold=99",
@@ -1096,16 +1101,18 @@ class Bench:
         """The whole machine sampled with perf's cpu-clock (a software timer:
         no hardware counters needed) while the PostgreSQL proxy takes first
         deliveries at 64 connections: CPU by process, then the proxy's and
-        PostgreSQL's top functions (user and kernel)."""
+        PostgreSQL's top functions (user and kernel). --profile-scenario picks
+        another load."""
         data = self.tmp / "perf.data"
         c = 64 if 64 in self.a.concurrency else max(self.a.concurrency)
-        self.run_one(BY_NAME["pg-first"], c, 0, 0, record=False, duration=2)  # warm
+        scenario = self.a.profile_scenario
+        self.run_one(BY_NAME[scenario], c, 0, 0, record=False, duration=2)  # warm
         perf = self.procs.start("perf", ["perf", "record", "-a", "-e", "cpu-clock", "-F", "999",
                                          "-o", str(data)], log=self.tmp / "perf.log")
         time.sleep(1)
-        run = self.run_one(BY_NAME["pg-first"], c, 1, 1, record=False, duration=self.a.profile_seconds)
+        run = self.run_one(BY_NAME[scenario], c, 1, 1, record=False, duration=self.a.profile_seconds)
         self.procs.stop(perf, sig=signal.SIGINT, timeout=60)
-        parts = [f"perf cpu-clock, all CPUs: pg-first at {c} connections for {self.a.profile_seconds:g} s: "
+        parts = [f"perf cpu-clock, all CPUs: {scenario} at {c} connections for {self.a.profile_seconds:g} s: "
                  f"{run.rps:.0f} req/s, p50 {run.p50_ms:.2f} ms; CPU (cores) {run.cpu_cores}\n"]
         def report(*args):
             r = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", *args],
