@@ -5,7 +5,8 @@
 
 mod pool;
 
-use std::net::SocketAddr;
+use std::io::{self, Write};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -68,7 +69,22 @@ pub struct Peer {
     pub tls: bool,
 }
 
-const HOP_BY_HOP: [HeaderName; 6] = [
+// Names built at compile time: one parsed from a string costs a parse per
+// request.
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_DEDUPE_KEY: HeaderName = HeaderName::from_static("x-dedupe-key");
+const X_DEDUPE_SOURCE: HeaderName = HeaderName::from_static("x-dedupe-source");
+const X_DEDUPE_ATTEMPT: HeaderName = HeaderName::from_static("x-dedupe-attempt");
+const DEDUPE_PREFIX: &str = "x-dedupe-";
+
+/// The longest text of an IP address: an IPv4-mapped IPv6 address.
+const MAX_IP_TEXT: usize = "ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255".len();
+
+// A static, not a const: a const array would be built and dropped at every
+// use.
+static HOP_BY_HOP: [HeaderName; 6] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -150,8 +166,7 @@ fn prepare_request_headers(
     default_host: &HeaderValue,
 ) {
     let headers = &mut parts.headers;
-    strip_hop_by_hop(headers);
-    strip_dedupe_headers(headers);
+    strip_hop_by_hop_and_forged(headers);
     let original_host = headers.get(header::HOST).cloned().or_else(|| {
         parts
             .uri
@@ -161,58 +176,116 @@ fn prepare_request_headers(
     match original_host {
         Some(host) => {
             headers.insert(header::HOST, host.clone());
-            headers.insert(HeaderName::from_static("x-forwarded-host"), host);
+            headers.insert(X_FORWARDED_HOST, host);
         }
         None => {
             headers.insert(header::HOST, default_host.clone());
         }
     }
-    let client_ip = peer.addr.ip().to_string();
-    let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(previous) => format!("{previous}, {client_ip}"),
-        None => client_ip,
-    };
-    if let Ok(value) = HeaderValue::try_from(forwarded_for) {
-        headers.insert(HeaderName::from_static("x-forwarded-for"), value);
+    let previous = headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok());
+    if let Some(value) = forwarded_for(previous, peer.addr.ip()) {
+        headers.insert(X_FORWARDED_FOR, value);
     }
     headers.insert(
-        HeaderName::from_static("x-forwarded-proto"),
-        HeaderValue::from_static(if peer.tls { "https" } else { "http" }),
+        X_FORWARDED_PROTO,
+        if peer.tls {
+            HeaderValue::from_static("https")
+        } else {
+            HeaderValue::from_static("http")
+        },
     );
     if let Some(dedupe) = dedupe {
-        headers.insert(HeaderName::from_static("x-dedupe-key"), dedupe.key);
-        headers.insert(HeaderName::from_static("x-dedupe-source"), dedupe.source);
-        headers.insert(
-            HeaderName::from_static("x-dedupe-attempt"),
-            dedupe.attempt.into(),
-        );
+        headers.insert(X_DEDUPE_KEY, dedupe.key);
+        headers.insert(X_DEDUPE_SOURCE, dedupe.source);
+        headers.insert(X_DEDUPE_ATTEMPT, dedupe.attempt.into());
+    }
+}
+
+/// `X-Forwarded-For`: the hops the request came through, then the sender.
+fn forwarded_for(previous: Option<&str>, client: IpAddr) -> Option<HeaderValue> {
+    // Formatted on the stack: the usual request, with no earlier hop, then
+    // allocates once, for the value itself.
+    let mut buffer = [0u8; MAX_IP_TEXT];
+    let mut cursor = io::Cursor::new(&mut buffer[..]);
+    write!(cursor, "{client}").expect("an IP address fits the buffer");
+    let written = usize::try_from(cursor.position()).expect("at most MAX_IP_TEXT");
+    let client = &buffer[..written];
+    match previous {
+        None => HeaderValue::from_bytes(client).ok(),
+        Some(previous) => {
+            HeaderValue::from_bytes(&[previous.as_bytes(), b", ", client].concat()).ok()
+        }
     }
 }
 
 /// Removes the fields that describe one connection, not the message: the
 /// fixed hop-by-hop set and every field the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
-        .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
-        headers.remove(name);
+    let present = headers
+        .keys()
+        .fold(0, |present, name| present | hop_by_hop_bit(name));
+    remove_hop_by_hop(headers, present);
+}
+
+/// [`strip_hop_by_hop`], and every `X-Dedupe-*` field, so a sender cannot
+/// forge them.
+fn strip_hop_by_hop_and_forged(headers: &mut HeaderMap) {
+    let (mut present, mut forged) = (0, false);
+    for name in headers.keys() {
+        present |= hop_by_hop_bit(name);
+        forged |= name.as_str().starts_with(DEDUPE_PREFIX);
+    }
+    remove_hop_by_hop(headers, present);
+    if forged {
+        let names: Vec<HeaderName> = headers
+            .keys()
+            .filter(|name| name.as_str().starts_with(DEDUPE_PREFIX))
+            .cloned()
+            .collect();
+        for name in names {
+            headers.remove(name);
+        }
     }
 }
 
-/// Removes every `X-Dedupe-*` field, so a sender cannot forge them.
-fn strip_dedupe_headers(headers: &mut HeaderMap) {
-    let forged: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| name.as_str().starts_with("x-dedupe-"))
-        .cloned()
-        .collect();
-    for name in forged {
-        headers.remove(name);
+/// Bit `i` stands for `HOP_BY_HOP[i]`. Found in one pass over the names:
+/// most messages carry none or one of these, and a lookup per field would
+/// hash every name in the set.
+fn hop_by_hop_bit(name: &HeaderName) -> u8 {
+    HOP_BY_HOP
+        .iter()
+        .position(|hop| hop == name)
+        .map_or(0, |index| 1 << index)
+}
+
+/// `present`: the fields of `HOP_BY_HOP` the message has, from
+/// [`hop_by_hop_bit`].
+fn remove_hop_by_hop(headers: &mut HeaderMap, present: u8) {
+    if present & hop_by_hop_bit(&header::CONNECTION) != 0 {
+        // Values are cloned (which shares their bytes) so the fields they
+        // name can be removed while they are read; a repeated `Connection`
+        // is rare.
+        let mut connection = headers.get_all(header::CONNECTION).iter();
+        let first = connection.next().cloned();
+        let rest: Vec<HeaderValue> = connection.cloned().collect();
+        for value in first.into_iter().chain(rest) {
+            let names = value.to_str().into_iter().flat_map(|v| v.split(','));
+            for name in names.map(str::trim) {
+                // The fixed set is removed below; an invalid name matches
+                // no field.
+                if !HOP_BY_HOP
+                    .iter()
+                    .any(|hop| name.eq_ignore_ascii_case(hop.as_str()))
+                {
+                    headers.remove(name);
+                }
+            }
+        }
+    }
+    for (index, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << index) != 0 {
+            headers.remove(name);
+        }
     }
 }
 
@@ -254,6 +327,60 @@ mod tests {
             assert!(!parts.headers.contains_key(gone), "{gone} kept");
         }
         assert_eq!(parts.headers["x-kept"], "yes");
+    }
+
+    #[test]
+    fn connection_names_are_matched_without_case_and_bad_names_are_skipped() {
+        let mut headers = HeaderMap::new();
+        headers.append(
+            header::CONNECTION,
+            HeaderValue::from_static("X-Private, bad name,, TE"),
+        );
+        headers.append(header::CONNECTION, HeaderValue::from_static("x-other"));
+        headers.insert("x-private", HeaderValue::from_static("1"));
+        headers.insert("x-other", HeaderValue::from_static("2"));
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        headers.insert("x-kept", HeaderValue::from_static("yes"));
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(left, ["x-kept"]);
+    }
+
+    #[test]
+    fn a_message_without_hop_by_hop_fields_is_left_as_it_is() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        headers.append("x-a", HeaderValue::from_static("1"));
+        headers.append("x-a", HeaderValue::from_static("2"));
+        let before = headers.clone();
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers, before);
+    }
+
+    #[test]
+    fn forwarded_for_takes_an_ipv6_sender_of_any_length() {
+        for (client, expected) in [
+            ("[::1]:5555", "::1"),
+            (
+                "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:5555",
+                "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+            ),
+            ("[::ffff:192.0.2.255]:5555", "::ffff:192.0.2.255"),
+        ] {
+            let mut parts = parts(&[("x-forwarded-for", "192.0.2.1")]);
+            let peer = Peer {
+                addr: client.parse().unwrap(),
+                tls: false,
+            };
+            prepare_request_headers(&mut parts, peer, None, &default_host());
+            assert_eq!(
+                parts.headers["x-forwarded-for"],
+                format!("192.0.2.1, {expected}")
+            );
+            let mut first_hop = self::parts(&[]);
+            prepare_request_headers(&mut first_hop, peer, None, &default_host());
+            assert_eq!(first_hop.headers["x-forwarded-for"], expected);
+        }
     }
 
     #[test]

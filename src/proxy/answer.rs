@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, RETRY_AFTER};
+use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -16,6 +16,8 @@ pub type Body = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 
 /// The header naming how the proxy handled a request.
 pub const OUTCOME_HEADER: &str = "x-dedupe-outcome";
+// Built at compile time: a name parsed from a string costs a parse per response.
+const OUTCOME_HEADER_NAME: HeaderName = HeaderName::from_static(OUTCOME_HEADER);
 
 /// How a webhook ended.
 #[derive(Debug)]
@@ -176,7 +178,7 @@ impl Answer {
                 plain(status, "upstream-error", detail)
             }
         };
-        response.headers_mut().insert(OUTCOME_HEADER, outcome);
+        response.headers_mut().insert(OUTCOME_HEADER_NAME, outcome);
         response
     }
 }
