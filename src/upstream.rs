@@ -5,8 +5,7 @@
 
 mod pool;
 
-use std::io::{self, Write};
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -60,13 +59,24 @@ pub struct DedupeHeaders {
     pub attempt: i32,
 }
 
-/// How the request reached the proxy, for `X-Forwarded-*`.
-#[derive(Debug, Clone, Copy)]
+/// How the request reached the proxy, for `X-Forwarded-*`. Made once per
+/// connection and cloned for each of its requests.
+#[derive(Debug, Clone)]
 pub struct Peer {
-    /// The sender's address.
-    pub addr: SocketAddr,
     /// Whether the listener terminated TLS.
-    pub tls: bool,
+    tls: bool,
+    /// The sender's address as a field value: formatted once, and a clone
+    /// shares its bytes.
+    ip: HeaderValue,
+}
+
+impl Peer {
+    /// The sender at `addr`, on a listener that terminates TLS or not.
+    pub fn new(addr: SocketAddr, tls: bool) -> Self {
+        let ip = HeaderValue::try_from(addr.ip().to_string())
+            .expect("an IP address is a valid field value");
+        Self { tls, ip }
+    }
 }
 
 // Names built at compile time: one parsed from a string costs a parse per
@@ -78,9 +88,6 @@ const X_DEDUPE_KEY: HeaderName = HeaderName::from_static("x-dedupe-key");
 const X_DEDUPE_SOURCE: HeaderName = HeaderName::from_static("x-dedupe-source");
 const X_DEDUPE_ATTEMPT: HeaderName = HeaderName::from_static("x-dedupe-attempt");
 const DEDUPE_PREFIX: &str = "x-dedupe-";
-
-/// The longest text of an IP address: an IPv4-mapped IPv6 address.
-const MAX_IP_TEXT: usize = "ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255".len();
 
 // A static, not a const: a const array would be built and dropped at every
 // use.
@@ -121,7 +128,7 @@ impl Upstream {
         // The request is prepared before the future is made, so the future
         // holds only the finished request: it is boxed or moved on every
         // request, and a smaller one is cheaper to allocate and copy.
-        prepare_request_headers(&mut parts, peer, dedupe, &self.default_host);
+        prepare_request_headers(&mut parts, &peer, dedupe, &self.default_host);
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
         self.exchange(Request::from_parts(parts, body))
@@ -161,7 +168,7 @@ impl Upstream {
 /// allows that; HTTP/1.1 to the upstream does not).
 fn prepare_request_headers(
     parts: &mut Parts,
-    peer: Peer,
+    peer: &Peer,
     dedupe: Option<DedupeHeaders>,
     default_host: &HeaderValue,
 ) {
@@ -183,7 +190,7 @@ fn prepare_request_headers(
         }
     }
     let previous = headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok());
-    if let Some(value) = forwarded_for(previous, peer.addr.ip()) {
+    if let Some(value) = forwarded_for(previous, &peer.ip) {
         headers.insert(X_FORWARDED_FOR, value);
     }
     headers.insert(
@@ -202,18 +209,11 @@ fn prepare_request_headers(
 }
 
 /// `X-Forwarded-For`: the hops the request came through, then the sender.
-fn forwarded_for(previous: Option<&str>, client: IpAddr) -> Option<HeaderValue> {
-    // Formatted on the stack: the usual request, with no earlier hop, then
-    // allocates once, for the value itself.
-    let mut buffer = [0u8; MAX_IP_TEXT];
-    let mut cursor = io::Cursor::new(&mut buffer[..]);
-    write!(cursor, "{client}").expect("an IP address fits the buffer");
-    let written = usize::try_from(cursor.position()).expect("at most MAX_IP_TEXT");
-    let client = &buffer[..written];
+fn forwarded_for(previous: Option<&str>, client: &HeaderValue) -> Option<HeaderValue> {
     match previous {
-        None => HeaderValue::from_bytes(client).ok(),
+        None => Some(client.clone()),
         Some(previous) => {
-            HeaderValue::from_bytes(&[previous.as_bytes(), b", ", client].concat()).ok()
+            HeaderValue::from_bytes(&[previous.as_bytes(), b", ", client.as_bytes()].concat()).ok()
         }
     }
 }
@@ -302,10 +302,7 @@ mod tests {
     }
 
     fn peer() -> Peer {
-        Peer {
-            addr: "10.1.2.3:5555".parse().unwrap(),
-            tls: false,
-        }
+        Peer::new("10.1.2.3:5555".parse().unwrap(), false)
     }
 
     fn default_host() -> HeaderValue {
@@ -322,7 +319,7 @@ mod tests {
             ("upgrade", "h2c"),
             ("x-kept", "yes"),
         ]);
-        prepare_request_headers(&mut parts, peer(), None, &default_host());
+        prepare_request_headers(&mut parts, &peer(), None, &default_host());
         for gone in ["connection", "keep-alive", "x-private", "te", "upgrade"] {
             assert!(!parts.headers.contains_key(gone), "{gone} kept");
         }
@@ -368,17 +365,14 @@ mod tests {
             ("[::ffff:192.0.2.255]:5555", "::ffff:192.0.2.255"),
         ] {
             let mut parts = parts(&[("x-forwarded-for", "192.0.2.1")]);
-            let peer = Peer {
-                addr: client.parse().unwrap(),
-                tls: false,
-            };
-            prepare_request_headers(&mut parts, peer, None, &default_host());
+            let peer = Peer::new(client.parse().unwrap(), false);
+            prepare_request_headers(&mut parts, &peer, None, &default_host());
             assert_eq!(
                 parts.headers["x-forwarded-for"],
                 format!("192.0.2.1, {expected}")
             );
             let mut first_hop = self::parts(&[]);
-            prepare_request_headers(&mut first_hop, peer, None, &default_host());
+            prepare_request_headers(&mut first_hop, &peer, None, &default_host());
             assert_eq!(first_hop.headers["x-forwarded-for"], expected);
         }
     }
@@ -395,13 +389,13 @@ mod tests {
             source: HeaderValue::from_static("orders"),
             attempt: 2,
         };
-        prepare_request_headers(&mut parts, peer(), Some(dedupe), &default_host());
+        prepare_request_headers(&mut parts, &peer(), Some(dedupe), &default_host());
         assert_eq!(parts.headers["x-dedupe-key"], "evt_1");
         assert_eq!(parts.headers["x-dedupe-source"], "orders");
         assert_eq!(parts.headers["x-dedupe-attempt"], "2");
         assert!(!parts.headers.contains_key("x-dedupe-other"));
         let mut unmatched = self::parts(&[("x-dedupe-key", "forged")]);
-        prepare_request_headers(&mut unmatched, peer(), None, &default_host());
+        prepare_request_headers(&mut unmatched, &peer(), None, &default_host());
         assert!(!unmatched.headers.contains_key("x-dedupe-key"));
     }
 
@@ -411,15 +405,8 @@ mod tests {
             ("host", "hooks.example.com"),
             ("x-forwarded-for", "192.0.2.1"),
         ]);
-        prepare_request_headers(
-            &mut parts,
-            Peer {
-                tls: true,
-                ..peer()
-            },
-            None,
-            &default_host(),
-        );
+        let peer = Peer::new("10.1.2.3:5555".parse().unwrap(), true);
+        prepare_request_headers(&mut parts, &peer, None, &default_host());
         assert_eq!(parts.headers["host"], "hooks.example.com");
         assert_eq!(parts.headers["x-forwarded-host"], "hooks.example.com");
         assert_eq!(parts.headers["x-forwarded-for"], "192.0.2.1, 10.1.2.3");

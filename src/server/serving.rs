@@ -210,12 +210,9 @@ async fn serve(
             }
         };
         let proxy = Arc::clone(&proxy);
-        let peer = Peer {
-            addr,
-            tls: tls.is_some(),
-        };
+        let peer = Peer::new(addr, tls.is_some());
         let service = service_fn(move |request| {
-            let proxy = Arc::clone(&proxy);
+            let (proxy, peer) = (Arc::clone(&proxy), peer.clone());
             async move { Ok::<_, std::convert::Infallible>(proxy.handle(request, peer).await) }
         });
         let (builder, watcher) = (Arc::clone(&builder), graceful.watcher());
