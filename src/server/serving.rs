@@ -8,7 +8,9 @@
 //! One accept loop hands each new connection to the thread serving the
 //! fewest, so connections opened in a burst are spread evenly; with an accept
 //! loop per thread on a shared socket, the first thread to wake took them
-//! all. The store's batches stay on the main runtime, shared by every thread.
+//! all. The store's batch dispatchers are started lazily, so they run on the
+//! thread whose request makes the first claim and serve every thread from
+//! there.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
