@@ -24,14 +24,16 @@ pub struct PrunePlan {
 }
 
 impl PrunePlan {
-    /// Each route's `retention`, `store.retention` for every other source
-    /// (including routes since removed); `older_than` overrides them all.
+    /// Each route's effective `retention` (its own, else the longer of
+    /// `store.retention` and its provider preset's), `store.retention` for
+    /// every other source (including routes since removed); `older_than`
+    /// overrides them all.
     pub fn new(config: &Config, older_than: Option<Duration>) -> Self {
         let default = config.store.retention;
         let Some(override_all) = older_than else {
             let mut by_horizon: BTreeMap<Duration, Vec<String>> = BTreeMap::new();
             for route in &config.routes {
-                let retention = route.retention.unwrap_or(default);
+                let retention = config.effective_route(route).retention.unwrap_or(default);
                 if retention != default {
                     by_horizon
                         .entry(retention)
@@ -211,6 +213,37 @@ routes:
                 PruneGroup {
                     older_than: DAY,
                     sources: Sources::AllExcept(vec!["a".into(), "b".into()])
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_preset_route_without_its_own_retention_keeps_the_presets_horizon() {
+        let config = Config::from_yaml(
+            "store: { retention: 1d }
+routes:
+  - { name: payments, path: /stripe, provider: stripe, secrets: [{ value: whsec_test }] }
+  - { name: repos, path: /github, provider: github, secrets: [{ value: s }], retention: 2h }
+  - { name: orders, path: /orders, key: { header: X } }
+",
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            PrunePlan::new(&config, None).groups(),
+            [
+                PruneGroup {
+                    older_than: 2 * HOUR,
+                    sources: Sources::Only(vec!["repos".into()])
+                },
+                PruneGroup {
+                    older_than: 7 * DAY,
+                    sources: Sources::Only(vec!["payments".into()])
+                },
+                PruneGroup {
+                    older_than: DAY,
+                    sources: Sources::AllExcept(vec!["repos".into(), "payments".into()])
                 },
             ]
         );
