@@ -109,10 +109,14 @@ fn missing(config: &Config, source: &str, key: &str) -> anyhow::Error {
     anyhow!("no key `{key}` for source `{source}`{hint}")
 }
 
-/// A record as `--json` prints it: RFC 3339 times, the hash in hex.
+/// A record as `--json` prints it: every column under its name, RFC 3339
+/// times, the hash in hex.
 #[derive(Serialize)]
 struct JsonRecord<'a> {
     source: &'a str,
+    event_id: &'a str,
+    /// `event_id` again, under the name the command's arguments and its
+    /// table use.
     key: &'a str,
     status: &'static str,
     attempts: i32,
@@ -128,6 +132,7 @@ impl<'a> JsonRecord<'a> {
     fn new(record: &'a KeyRecord) -> Self {
         Self {
             source: &record.source,
+            event_id: &record.key,
             key: &record.key,
             status: record.status.as_str(),
             attempts: record.attempts,

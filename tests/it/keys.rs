@@ -178,6 +178,8 @@ async fn keys_list_and_show_print_json_with_rfc3339_times_and_a_hex_hash(backend
         .map(|b| format!("{b:02x}"))
         .collect();
     assert_eq!(shown["payload_sha256"], expected_hash.as_str());
+    assert_eq!(shown["event_id"], "evt_done");
+    assert_eq!(shown["key"], shown["event_id"]);
     assert_eq!(shown["source"], "orders");
     assert_eq!(shown["status"], "done");
     assert_eq!(shown["attempts"], 1);
