@@ -169,6 +169,16 @@ mod tests {
     }
 
     #[test]
+    fn a_numeric_key_keeps_the_digits_it_was_sent_with() {
+        for id in ["12345678901234567890123", "12345678901234567890124", "1.50"] {
+            assert_eq!(
+                from_body(&json("/id"), &format!(r#"{{"id":{id}}}"#)),
+                Ok(Some(id.into()))
+            );
+        }
+    }
+
+    #[test]
     fn other_json_values_are_no_key() {
         for body in [
             r#"{"id":""}"#,
