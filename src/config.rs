@@ -580,6 +580,17 @@ impl Config {
                 self.store.table
             ),
         );
+        check(
+            !(self.store.table.contains('.')
+                && matches!(
+                    crate::store::StoreUrl::parse(&self.store.url),
+                    Ok(crate::store::StoreUrl::Sqlite(_))
+                )),
+            format!(
+                "store.table: `{}` is schema-qualified, which only a PostgreSQL store supports",
+                self.store.table
+            ),
+        );
         for (field, value) in [
             (
                 "limits.header_read_timeout",
@@ -1221,5 +1232,18 @@ mod tests {
         assert!(!is_table_name("events; drop table x"));
         assert!(!is_table_name("1events"));
         assert!(!is_table_name(""));
+    }
+
+    #[test]
+    fn only_a_postgresql_table_may_be_schema_qualified() {
+        let store = |url: &str| format!("store: {{ url: '{url}', table: dedupe.events }}");
+        let problems = problems(&store("sqlite:///var/lib/dedupe.db"));
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("store.table: `dedupe.events` is schema-qualified")),
+            "{problems:?}"
+        );
+        parse(&store("postgres://db/app")).unwrap();
     }
 }
