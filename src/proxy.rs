@@ -241,6 +241,17 @@ impl Proxy {
         };
         let shadow = route.mode == Mode::Shadow;
         match decision {
+            // Enforcing would release the claim and answer 503; shadow mode
+            // releases it and forwards.
+            Decision::Claimed(won) if shadow && self.lease_left_too_short(won.claimed_at) => {
+                let settle_started = Instant::now();
+                self.settle(&won.request, won.attempt, Settlement::RELEASED)
+                    .await;
+                trace.store_time += settle_started.elapsed();
+                let enforced = Answer::Unavailable(Unavailable::LeaseTooShort, Duration::ZERO);
+                let reason = PassReason::Shadow(enforced.metric_outcome());
+                self.pass(route, request, reason).await
+            }
             Decision::Claimed(claim) => {
                 match self.forward_claimed(route, claim, request, trace).await {
                     Answer::Forwarded(response) if shadow => {
@@ -352,6 +363,14 @@ impl Proxy {
         answer
     }
 
+    /// Whether too little of a lease taken at `claimed_at` is left to wait
+    /// out the upstream: another replica may own the key by the time the
+    /// upstream answers.
+    fn lease_left_too_short(&self, claimed_at: Instant) -> bool {
+        let lease_deadline = claimed_at + self.settings.lease;
+        lease_deadline.saturating_duration_since(Instant::now()) < self.settings.upstream_timeout
+    }
+
     async fn forward_and_settle(
         &self,
         route: &Route,
@@ -363,10 +382,7 @@ impl Proxy {
             attempt,
             claimed_at,
         } = won;
-        let lease_deadline = claimed_at + self.settings.lease;
-        if lease_deadline.saturating_duration_since(Instant::now()) < self.settings.upstream_timeout
-        {
-            // Another replica may own the key by the time the upstream answers.
+        if self.lease_left_too_short(claimed_at) {
             let settle_started = Instant::now();
             self.settle(&claim, attempt, Settlement::RELEASED).await;
             let answer = Answer::Unavailable(Unavailable::LeaseTooShort, self.settings.retry_after);

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::on_both_stores;
 use crate::support::{Backend, Behavior, Gate, Relay, TestApp, TestStore, Upstream};
-use dedupe_proxy::config::OnUnavailable;
+use dedupe_proxy::config::{Config, Mode, OnUnavailable};
 
 on_both_stores!(
     store_outage_answers_503_forwards_nothing_and_recovers_without_restart,
@@ -14,6 +14,7 @@ on_both_stores!(
     claims_still_open_at_the_grace_deadline_are_released,
     a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_not_before,
     a_claim_won_too_late_to_forward_safely_is_released_with_503,
+    in_shadow_mode_a_claim_won_too_late_is_released_and_the_delivery_forwarded,
     a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim,
 );
 
@@ -307,16 +308,19 @@ async fn block_claims_for(backend: Backend, store: &TestStore, hold: Duration) {
     }
 }
 
+/// A lease only 500ms longer than the upstream timeout, so a claim delayed by
+/// [`LATE_CLAIM_DELAY`] leaves less lease than forwarding could take.
+fn lease_just_over_upstream_timeout(config: &mut Config) {
+    config.upstream.timeout = Duration::from_secs(1);
+    config.store.lease = Duration::from_millis(1500);
+    config.store.timeout = Duration::from_secs(3);
+}
+
+const LATE_CLAIM_DELAY: Duration = Duration::from_millis(700);
+
 async fn a_claim_won_too_late_to_forward_safely_is_released_with_503(backend: Backend) {
-    let app = TestApp::spawn(backend, |config| {
-        config.upstream.timeout = Duration::from_secs(1);
-        config.store.lease = Duration::from_millis(1500);
-        config.store.timeout = Duration::from_secs(3);
-    })
-    .await;
-    // The claim is delayed by 700ms, leaving 800ms of lease: less than the
-    // upstream timeout, so forwarding could outlive the claim.
-    block_claims_for(backend, &app.store, Duration::from_millis(700)).await;
+    let app = TestApp::spawn(backend, lease_just_over_upstream_timeout).await;
+    block_claims_for(backend, &app.store, LATE_CLAIM_DELAY).await;
     let late = app.deliver("evt_late", "{}").await;
     assert_eq!((late.status, late.outcome()), (503, "unavailable"));
     assert!(late.body.contains("lease"), "{}", late.body);
@@ -405,6 +409,32 @@ async fn an_answer_whose_settle_fails_is_still_returned_and_settled_later() {
         "{metrics}"
     );
     assert_eq!(app.deliver("evt_settle", "{}").await.outcome(), "duplicate");
+}
+
+async fn in_shadow_mode_a_claim_won_too_late_is_released_and_the_delivery_forwarded(
+    backend: Backend,
+) {
+    let app = TestApp::spawn(backend, |config| {
+        lease_just_over_upstream_timeout(config);
+        config.routes[0].mode = Mode::Shadow;
+    })
+    .await;
+    block_claims_for(backend, &app.store, LATE_CLAIM_DELAY).await;
+    let late = app.deliver("evt_late", "{}").await;
+    assert_eq!((late.status, late.outcome()), (200, "passthrough"));
+    assert_eq!(app.upstream.count(), 1);
+    assert_eq!(
+        app.upstream.seen()[0].header("x-dedupe-attempt"),
+        None,
+        "forwarded without a claim"
+    );
+    let retry = app.deliver("evt_late", "{}").await;
+    assert_eq!(retry.outcome(), "passthrough");
+    assert_eq!(
+        app.upstream.seen()[1].header("x-dedupe-attempt"),
+        Some("2"),
+        "the late claim was released, so the next delivery won attempt 2"
+    );
 }
 
 async fn a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim(backend: Backend) {
