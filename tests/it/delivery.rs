@@ -386,3 +386,31 @@ async fn the_upstream_gets_its_base_path_and_a_host() {
         Some(app.upstream.addr.to_string().as_str())
     );
 }
+
+/// A sender may shut down its side of the connection once its request is
+/// out; the answer still reaches it. The upstream holds its answer until the
+/// proxy has had every chance to notice the shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_that_half_closes_after_its_request_still_gets_the_answer() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let gate = Gate::new();
+    app.upstream
+        .script("/half-closed", [Behavior::Gate(Arc::clone(&gate))]);
+    let mut stream = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    stream
+        .write_all(b"GET /half-closed HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    stream.shutdown().await.unwrap();
+    app.upstream.wait_for(1).await;
+    gate.open();
+    let mut answer = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.read_to_string(&mut answer),
+    )
+    .await
+    .expect("the answer, then the proxy closes")
+    .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
