@@ -479,10 +479,26 @@ pub enum ConfigError {
     },
 }
 
+/// Whether validation reads the routes' secrets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Secrets {
+    /// Read every `env`/`file` secret: serving and `check-config` need them.
+    Resolve,
+    /// Leave them unread: commands that only work on the store never verify
+    /// a signature, and an operator repairing keys should not need the
+    /// webhook secrets to do it.
+    Ignore,
+}
+
 impl Config {
     /// Reads, parses and validates a configuration file, applying the
     /// `DEDUPE_STORE_URL` override.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_with(path, Secrets::Resolve)
+    }
+
+    /// [`Config::load`], reading the routes' secrets or not.
+    pub fn load_with(path: &Path, secrets: Secrets) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -490,7 +506,7 @@ impl Config {
         let store_url = std::env::var(STORE_URL_ENV)
             .ok()
             .filter(|url| !url.is_empty());
-        Self::from_yaml(&text, store_url).map_err(|problem| match problem {
+        Self::from_yaml_with(&text, store_url, secrets).map_err(|problem| match problem {
             Problem::Parse(message) => ConfigError::Parse {
                 path: path.to_owned(),
                 message,
@@ -504,6 +520,14 @@ impl Config {
 
     /// Parses and validates YAML text; `store_url` replaces `store.url`.
     pub fn from_yaml(text: &str, store_url: Option<String>) -> Result<Self, Problem> {
+        Self::from_yaml_with(text, store_url, Secrets::Resolve)
+    }
+
+    fn from_yaml_with(
+        text: &str,
+        store_url: Option<String>,
+        secrets: Secrets,
+    ) -> Result<Self, Problem> {
         // An empty file is a valid all-defaults configuration.
         let mut config: Config = if text.trim().is_empty() {
             serde_yaml::from_str("{}")
@@ -514,7 +538,7 @@ impl Config {
         if let Some(url) = store_url {
             config.store.url = url;
         }
-        let problems = config.validate();
+        let problems = config.validate_with(secrets);
         if problems.is_empty() {
             Ok(config)
         } else {
@@ -524,6 +548,11 @@ impl Config {
 
     /// Every cross-field and value problem, each naming its field.
     pub fn validate(&self) -> Vec<String> {
+        self.validate_with(Secrets::Resolve)
+    }
+
+    /// [`Config::validate`], reading the routes' secrets or not.
+    pub fn validate_with(&self, secrets: Secrets) -> Vec<String> {
         let mut problems = Vec::new();
         self.validate_files(&mut problems);
         let mut check = |ok: bool, message: String| {
@@ -637,7 +666,7 @@ impl Config {
             if !names.insert(route.name.as_str()) {
                 problems.push(format!("{at}.name: duplicate route name"));
             }
-            self.validate_route(&at, route, &mut problems);
+            self.validate_route(&at, route, secrets, &mut problems);
         }
         problems
     }
@@ -661,7 +690,13 @@ impl Config {
         }
     }
 
-    fn validate_route(&self, at: &str, route: &RouteConfig, problems: &mut Vec<String>) {
+    fn validate_route(
+        &self,
+        at: &str,
+        route: &RouteConfig,
+        secrets: Secrets,
+        problems: &mut Vec<String>,
+    ) {
         if !is_route_name(&route.name) {
             problems.push(format!(
                 "{at}.name: must be 1-64 characters of letters, digits, `-`, `_` or `.`"
@@ -719,7 +754,7 @@ impl Config {
         if route.retention.is_some_and(|retention| retention.is_zero()) {
             problems.push(format!("{at}.retention: must be greater than zero"));
         }
-        let effective = self.effective_route(route);
+        let mut effective = self.effective_route(route);
         let before = problems.len();
         validate_statuses(
             at,
@@ -732,6 +767,9 @@ impl Config {
         // route, so each problem is reported once.
         if problems.len() > before {
             return;
+        }
+        if secrets == Secrets::Ignore {
+            effective.secrets.clear();
         }
         if let Err(route_problems) = crate::route::Route::compile(&effective) {
             problems.extend(route_problems.into_iter().map(|p| format!("{at}.{p}")));

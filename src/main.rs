@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use dedupe_proxy::cli::{Cli, Command, keys};
+use dedupe_proxy::config::Secrets;
 use dedupe_proxy::store::Store;
 use dedupe_proxy::{Application, Config, telemetry};
 use tokio_util::sync::CancellationToken;
@@ -20,7 +21,12 @@ async fn main() -> ExitCode {
         eprintln!("error: no configuration: pass --config FILE or set DEDUPE_CONFIG");
         return ExitCode::from(CONFIG_ERROR);
     };
-    let config = match Config::load(path) {
+    let command = cli.command.unwrap_or(Command::Run);
+    let secrets = match command {
+        Command::Run | Command::CheckConfig { .. } => Secrets::Resolve,
+        Command::Migrate | Command::Keys { .. } | Command::Prune { .. } => Secrets::Ignore,
+    };
+    let config = match Config::load_with(path, secrets) {
         Ok(config) => config,
         Err(error) => {
             eprintln!("error: {error}");
@@ -31,7 +37,7 @@ async fn main() -> ExitCode {
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }
-    let outcome = match cli.command.unwrap_or(Command::Run) {
+    let outcome = match command {
         Command::Run => run(&config).await,
         Command::CheckConfig { connect } => check_config(&config, connect).await,
         Command::Migrate => migrate(&config).await,

@@ -15,6 +15,7 @@ use crate::rows;
 use crate::support::{Backend, TestStore};
 
 on_both_stores!(
+    the_store_commands_run_without_the_webhook_secrets,
     keys_list_prints_a_table_newest_first_and_filters_it,
     keys_list_and_show_print_json_with_rfc3339_times_and_a_hex_hash,
     keys_show_prints_every_column,
@@ -71,6 +72,35 @@ fn config(db: &TestStore) -> String {
         "store: {{ url: '{}' }}\nroutes:\n  - {{ name: orders, path: /o, key: {{ header: X-Id }} }}\n  - {{ name: json, path: /j, key: {{ json: /id }} }}\n",
         db.url
     )
+}
+
+async fn the_store_commands_run_without_the_webhook_secrets(backend: Backend) {
+    let (_db, config) = seeded(backend).await;
+    let config = format!(
+        "{config}  - {{ name: stripe, path: /s, provider: stripe, secrets: [{{ env: DEDUPE_TEST_SECRET_NEVER_SET }}] }}\n"
+    );
+    for args in [
+        &["migrate"][..],
+        &["keys", "list"],
+        &["keys", "forget", "orders", "evt_done"],
+        &["prune"],
+    ] {
+        let out = keys(args, &config);
+        assert_eq!(out.code, 0, "{args:?}: {}", out.stderr);
+    }
+    let check = keys(&["check-config"], &config);
+    assert_eq!(check.code, 2);
+    assert!(
+        check.stderr.contains("DEDUPE_TEST_SECRET_NEVER_SET"),
+        "{}",
+        check.stderr
+    );
+    let broken = config.replace("key: { json: /id }", "key: { json: id }");
+    assert_eq!(
+        keys(&["keys", "list"], &broken).code,
+        2,
+        "other problems still count"
+    );
 }
 
 fn keys(args: &[&str], config: &str) -> Output {
