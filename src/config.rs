@@ -552,7 +552,8 @@ impl Config {
     }
 
     /// [`Config::validate`], reading the routes' secrets or not.
-    pub fn validate_with(&self, secrets: Secrets) -> Vec<String> {
+    fn validate_with(&self, secrets: Secrets) -> Vec<String> {
+        let store_url = crate::store::StoreUrl::parse(&self.store.url);
         let mut problems = Vec::new();
         self.validate_files(&mut problems);
         let mut check = |ok: bool, message: String| {
@@ -594,12 +595,10 @@ impl Config {
             ),
         );
         check(
-            crate::store::StoreUrl::parse(&self.store.url).is_ok(),
+            store_url.is_ok(),
             format!(
                 "store.url: {}",
-                crate::store::StoreUrl::parse(&self.store.url)
-                    .err()
-                    .unwrap_or_default()
+                store_url.as_ref().err().cloned().unwrap_or_default()
             ),
         );
         check(
@@ -611,10 +610,7 @@ impl Config {
         );
         check(
             !(self.store.table.contains('.')
-                && matches!(
-                    crate::store::StoreUrl::parse(&self.store.url),
-                    Ok(crate::store::StoreUrl::Sqlite(_))
-                )),
+                && matches!(store_url, Ok(crate::store::StoreUrl::Sqlite(_)))),
             format!(
                 "store.table: `{}` is schema-qualified, which only a PostgreSQL store supports",
                 self.store.table

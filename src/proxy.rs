@@ -77,12 +77,10 @@ struct Checked {
     _verified: Verified,
 }
 
-/// A claim this request won.
+/// A claim this request won, with enough of its lease left to forward.
 struct Won {
     request: ClaimRequest,
     attempt: i32,
-    /// Taken before the claim was sent: the lease is measured from here.
-    claimed_at: Instant,
 }
 
 /// What the per-webhook log line reports besides the outcome.
@@ -241,17 +239,6 @@ impl Proxy {
         };
         let shadow = route.mode == Mode::Shadow;
         match decision {
-            // Enforcing would release the claim and answer 503; shadow mode
-            // releases it and forwards.
-            Decision::Claimed(won) if shadow && self.lease_left_too_short(won.claimed_at) => {
-                let settle_started = Instant::now();
-                self.settle(&won.request, won.attempt, Settlement::RELEASED)
-                    .await;
-                trace.store_time += settle_started.elapsed();
-                let enforced = Answer::Unavailable(Unavailable::LeaseTooShort, Duration::ZERO);
-                let reason = PassReason::Shadow(enforced.metric_outcome());
-                self.pass(route, request, reason).await
-            }
             Decision::Claimed(claim) => {
                 match self.forward_claimed(route, claim, request, trace).await {
                     Answer::Forwarded(response) if shadow => {
@@ -334,11 +321,16 @@ impl Proxy {
             _ if reject_mismatch => Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch)),
             Claim::Won { attempt, .. } => {
                 trace.attempt = Some(attempt);
-                Decision::Claimed(Won {
-                    request,
-                    attempt,
-                    claimed_at,
-                })
+                if self.lease_left_too_short(claimed_at) {
+                    let settle_started = Instant::now();
+                    self.settle(&request, attempt, Settlement::RELEASED).await;
+                    trace.store_time += settle_started.elapsed();
+                    return Decision::Answer(Answer::Unavailable(
+                        Unavailable::LeaseTooShort,
+                        self.settings.retry_after,
+                    ));
+                }
+                Decision::Claimed(Won { request, attempt })
             }
             Claim::Done { .. } => Decision::Answer(Answer::Duplicate(route.duplicate_status)),
             Claim::InFlight { .. } => Decision::Answer(Answer::InFlight(
@@ -363,9 +355,9 @@ impl Proxy {
         answer
     }
 
-    /// Whether too little of a lease taken at `claimed_at` is left to wait
-    /// out the upstream: another replica may own the key by the time the
-    /// upstream answers.
+    /// Whether too little of a lease taken at `claimed_at` (before the claim
+    /// was sent) is left to wait out the upstream: another replica may own
+    /// the key by the time the upstream answers.
     fn lease_left_too_short(&self, claimed_at: Instant) -> bool {
         let lease_deadline = claimed_at + self.settings.lease;
         lease_deadline.saturating_duration_since(Instant::now()) < self.settings.upstream_timeout
@@ -380,14 +372,7 @@ impl Proxy {
         let Won {
             request: claim,
             attempt,
-            claimed_at,
         } = won;
-        if self.lease_left_too_short(claimed_at) {
-            let settle_started = Instant::now();
-            self.settle(&claim, attempt, Settlement::RELEASED).await;
-            let answer = Answer::Unavailable(Unavailable::LeaseTooShort, self.settings.retry_after);
-            return (answer, None, settle_started.elapsed());
-        }
         let guard = self.open_claims.register(OpenClaim {
             source: Arc::clone(&claim.source),
             key: claim.key.clone(),
