@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
@@ -222,7 +222,7 @@ fn pause_after(error: &std::io::Error) -> Option<Duration> {
 }
 
 async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {
-    let builder = connection_builder(Duration::from_secs(30));
+    let builder = http1_builder(Duration::from_secs(30));
     loop {
         let Some((stream, _)) = accept_next(&listener, &stop).await else {
             return;
@@ -232,7 +232,7 @@ async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: Cancellatio
             let admin = Arc::clone(&admin);
             async move { Ok::<_, std::convert::Infallible>(admin.handle(request).await) }
         });
-        let connection = builder.serve_connection(io(stream), service).into_owned();
+        let connection = builder.serve_connection(io(stream), service);
         let stop = stop.clone();
         tokio::spawn(async move {
             tokio::select! {
@@ -243,10 +243,10 @@ async fn serve_admin(listener: TcpListener, admin: Arc<Admin>, stop: Cancellatio
     }
 }
 
-fn connection_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+/// hyper's HTTP/1 server, as both listeners use it.
+fn http1_builder(header_read_timeout: Duration) -> http1::Builder {
+    let mut builder = http1::Builder::new();
     builder
-        .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(header_read_timeout)
         // Otherwise hyper reads the socket while a request is in flight, to
@@ -260,7 +260,12 @@ fn connection_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecu
         .half_close(true)
         .max_headers(MAX_HEADERS);
     builder
-        .http2()
+}
+
+/// hyper's HTTP/2 server, for webhook senders that ask for HTTP/2.
+fn http2_builder() -> http2::Builder<TokioExecutor> {
+    let mut builder = http2::Builder::new(TokioExecutor::new());
+    builder
         .timer(TokioTimer::new())
         .max_header_list_size(MAX_HEADER_LIST_BYTES);
     builder

@@ -11,22 +11,30 @@
 //! all. The store's batch dispatchers are started lazily, so they run on the
 //! thread whose request makes the first claim and serve every thread from
 //! there.
+//!
+//! Each connection is served by hyper's HTTP/1 server, or its HTTP/2 server
+//! when the sender asks for HTTP/2 (ALPN over TLS, the connection preface
+//! without).
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
+use hyper::service::{HttpService, service_fn};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
-use crate::proxy::Proxy;
+use crate::proxy::{Body, Proxy};
 use crate::upstream::Peer;
 
 /// How long a client may take to complete the TLS handshake.
@@ -201,7 +209,10 @@ async fn serve(
         header_read_timeout,
     } = webhooks;
     let graceful = GracefulShutdown::new();
-    let builder = Arc::new(super::connection_builder(header_read_timeout));
+    let http = Arc::new(Http {
+        http1: super::http1_builder(header_read_timeout),
+        http2: super::http2_builder(),
+    });
     while let Some((stream, addr)) = incoming.recv().await {
         let counted = OpenConnection(Arc::clone(&open));
         let stream = match TcpStream::from_std(stream) {
@@ -215,16 +226,23 @@ async fn serve(
         let peer = Peer::new(addr, tls.is_some());
         let service = service_fn(move |request| {
             let (proxy, peer) = (Arc::clone(&proxy), peer.clone());
-            async move { Ok::<_, std::convert::Infallible>(proxy.handle(request, peer).await) }
+            async move { Ok::<_, Infallible>(proxy.handle(request, peer).await) }
         });
-        let (builder, watcher) = (Arc::clone(&builder), graceful.watcher());
+        let (http, watcher) = (Arc::clone(&http), graceful.watcher());
         // One task type per transport: a task is as large as its largest
         // state, and a plain connection should not carry room for a TLS
         // session for as long as it stays open.
         match tls.clone() {
             None => tokio::spawn(async move {
-                let connection = builder.serve_connection(TokioIo::new(stream), service);
-                log_connection_end(watcher.watch(connection.into_owned()).await);
+                // Bounded like the headers that follow: a sender that
+                // connects and sends nothing is closed too.
+                let sniffed = tokio::time::timeout(header_read_timeout, sniff(&stream)).await;
+                let Ok(Ok(protocol)) = sniffed else {
+                    tracing::debug!(%addr, "no request began within the header read timeout");
+                    return;
+                };
+                let served = http.serve(TokioIo::new(stream), protocol, service, watcher);
+                log_connection_end(served.await);
                 drop(counted);
             }),
             Some(acceptor) => tokio::spawn(async move {
@@ -234,8 +252,12 @@ async fn serve(
                     tracing::debug!(%addr, "TLS handshake failed or timed out");
                     return;
                 };
-                let connection = builder.serve_connection(TokioIo::new(stream), service);
-                log_connection_end(watcher.watch(connection.into_owned()).await);
+                let protocol = match stream.get_ref().1.alpn_protocol() {
+                    Some(b"h2") => Protocol::Http2,
+                    _ => Protocol::Http1,
+                };
+                let served = http.serve(TokioIo::new(stream), protocol, service, watcher);
+                log_connection_end(served.await);
                 drop(counted);
             }),
         };
@@ -248,6 +270,75 @@ async fn serve(
             ?grace,
             "shutdown grace period ended with requests still in flight"
         );
+    }
+}
+
+/// The HTTP/2 connection preface (RFC 9113 section 3.4): what a sender
+/// speaking HTTP/2 without TLS sends before anything else.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// What a webhook connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Http1,
+    Http2,
+}
+
+/// Which protocol a sender without TLS speaks, from the bytes it sends
+/// first. They are peeked, not read, so that hyper's HTTP/1 server reads the
+/// request itself, whole. Handed bytes read beforehand, its first read
+/// returned only those, the second found its buffer partly full, and the
+/// buffer doubled to 16 KiB for the life of the connection.
+async fn sniff(stream: &TcpStream) -> std::io::Result<Protocol> {
+    let mut first = [0; H2_PREFACE.len()];
+    loop {
+        let seen = stream.peek(&mut first).await?;
+        // An empty peek is the sender closing: HTTP/1 ends that quietly.
+        if seen == 0 || first[..seen] != H2_PREFACE[..seen] {
+            return Ok(Protocol::Http1);
+        }
+        if seen == H2_PREFACE.len() {
+            return Ok(Protocol::Http2);
+        }
+        // Part of the preface. Marking the socket not readable makes the
+        // next peek wait for more bytes instead of seeing these again.
+        let _ = stream.try_io(Interest::READABLE, || {
+            Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
+        });
+    }
+}
+
+/// hyper's servers for both protocols, shared by a thread's connections.
+struct Http {
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
+}
+
+impl Http {
+    async fn serve<I, S>(
+        &self,
+        io: I,
+        protocol: Protocol,
+        service: S,
+        watcher: Watcher,
+    ) -> Result<(), hyper::Error>
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+        S: HttpService<Incoming, ResBody = Body, Error = Infallible> + Send + 'static,
+        S::Future: Send + 'static,
+    {
+        match protocol {
+            Protocol::Http1 => {
+                watcher
+                    .watch(self.http1.serve_connection(io, service))
+                    .await
+            }
+            // Boxed: HTTP/1 connections, nearly all of them, would otherwise
+            // carry room for an HTTP/2 one for as long as they stay open.
+            Protocol::Http2 => {
+                Box::pin(watcher.watch(self.http2.serve_connection(io, service))).await
+            }
+        }
     }
 }
 
@@ -372,5 +463,58 @@ mod tests {
             matches!(read, Ok(0) | Err(_)),
             "the connection stayed open: {read:?}"
         );
+    }
+
+    /// A connected pair: what the sender writes, and the proxy's end.
+    async fn socket_pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sender = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        (sender, accepted)
+    }
+
+    #[tokio::test]
+    async fn sniffing_tells_http1_from_the_http2_preface_and_consumes_nothing() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        for (first, protocol) in [
+            (&b"POST /hooks HTTP/1.1\r\n"[..], Protocol::Http1),
+            (b"PRI * HTTP/1.1\r\n", Protocol::Http1),
+            (H2_PREFACE, Protocol::Http2),
+        ] {
+            let (mut sender, mut accepted) = socket_pair().await;
+            sender.write_all(first).await.unwrap();
+            assert_eq!(sniff(&accepted).await.unwrap(), protocol);
+            let mut read = vec![0; first.len()];
+            accepted.read_exact(&mut read).await.unwrap();
+            assert_eq!(read, first, "the bytes are still there to be read");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sender_that_closes_at_once_is_left_to_http1() {
+        let (sender, accepted) = socket_pair().await;
+        drop(sender);
+        assert_eq!(sniff(&accepted).await.unwrap(), Protocol::Http1);
+    }
+
+    /// On loopback, written bytes are in the receiving socket when the write
+    /// returns, so the first poll sees exactly this part of the preface.
+    #[tokio::test]
+    async fn a_preface_split_across_writes_is_waited_for() {
+        use futures_util::FutureExt;
+        use tokio::io::AsyncWriteExt;
+        let (mut sender, accepted) = socket_pair().await;
+        let (head, rest) = H2_PREFACE.split_at(10);
+        sender.write_all(head).await.unwrap();
+        let sniffing = sniff(&accepted);
+        tokio::pin!(sniffing);
+        assert!(
+            (&mut sniffing).now_or_never().is_none(),
+            "decided on part of the preface"
+        );
+        sender.write_all(rest).await.unwrap();
+        assert_eq!(sniffing.await.unwrap(), Protocol::Http2);
     }
 }

@@ -414,3 +414,23 @@ async fn a_sender_that_half_closes_after_its_request_still_gets_the_answer() {
     .unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
+
+/// HTTP/2 without TLS, with prior knowledge: the connection preface decides
+/// the protocol. Deduplication and pass-through work as over HTTP/1.1, and
+/// the upstream is spoken to in HTTP/1.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_sender_with_prior_knowledge_is_served() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let tcp = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    let mut sender = crate::support::http2_sender(tcp).await;
+    for expected in ["forwarded", "duplicate"] {
+        let response = crate::support::send_http2(&mut sender, "/hooks/orders", "evt_h2c").await;
+        assert_eq!((response.status, response.outcome()), (200, expected));
+    }
+    let response = crate::support::send_http2(&mut sender, "/elsewhere", "evt_other").await;
+    assert_eq!((response.status, response.outcome()), (200, "passthrough"));
+    let seen = app.upstream.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].header("x-dedupe-key"), Some("evt_h2c"));
+    assert_eq!(seen[1].uri.path(), "/elsewhere");
+}

@@ -129,6 +129,13 @@ async fn slow_senders_are_cut_off() {
         config.limits.body_read_timeout = Duration::from_millis(300);
     })
     .await;
+    // A connection that never sends anything: closed.
+    let mut silent = TcpStream::connect(app.addr).await.unwrap();
+    let mut buffer = [0u8; 1024];
+    let closed = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buffer))
+        .await
+        .expect("a silent connection is closed");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
     // Headers that never finish: the connection is closed.
     let mut slow_headers = TcpStream::connect(app.addr).await.unwrap();
     slow_headers

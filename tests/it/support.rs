@@ -668,6 +668,36 @@ pub fn client() -> Client<HttpConnector, Full<Bytes>> {
 }
 
 /// A fully read response.
+/// An HTTP/2 connection over `io` (plain TCP with prior knowledge, or TLS
+/// that negotiated `h2`).
+pub async fn http2_sender<I>(io: I) -> hyper::client::conn::http2::SendRequest<Full<Bytes>>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(io))
+            .await
+            .expect("HTTP/2 handshake");
+    tokio::spawn(connection);
+    sender
+}
+
+/// Posts `{}` to `path` with `X-Event-Id: key` over HTTP/2.
+pub async fn send_http2(
+    sender: &mut hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    path: &str,
+    key: &str,
+) -> TestResponse {
+    let request = Request::post(format!("http://localhost{path}"))
+        .header("x-event-id", key)
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    sender.ready().await.expect("connection open");
+    let response = sender.send_request(request).await.expect("proxy answers");
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    TestResponse::read(response).await
+}
+
 #[derive(Debug)]
 pub struct TestResponse {
     pub status: u16,

@@ -114,10 +114,9 @@ fn write(dir: &std::path::Path, name: &str, content: &str) -> String {
     path.display().to_string()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn inbound_tls_is_terminated_and_marked_https_upstream() {
-    let pki = TestPki::new();
-    let leaf = pki.leaf("localhost");
+/// A proxy terminating TLS with `leaf`, whose files live in the returned
+/// directory.
+async fn app_serving_tls(leaf: &Leaf) -> (TestApp, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let (cert, key) = (
         write(dir.path(), "tls.crt", &leaf.cert_pem),
@@ -130,6 +129,14 @@ async fn inbound_tls_is_terminated_and_marked_https_upstream() {
         });
     })
     .await;
+    (app, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbound_tls_is_terminated_and_marked_https_upstream() {
+    let pki = TestPki::new();
+    let leaf = pki.leaf("localhost");
+    let (app, _dir) = app_serving_tls(&leaf).await;
     let mut client = TlsClient::connect(&pki, app.addr).await;
     assert_eq!(client.server_certificate, leaf.der);
     let (status, outcome, _) = client.deliver("evt_tls").await;
@@ -149,6 +156,29 @@ async fn inbound_tls_is_terminated_and_marked_https_upstream() {
         matches!(plain, Ok(Err(_))),
         "plain HTTP must not be served on a TLS listener"
     );
+}
+
+/// A sender that offers HTTP/2 by ALPN gets it; one that offers nothing gets
+/// HTTP/1.1 (the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_sender_over_tls_is_served_by_alpn() {
+    let pki = TestPki::new();
+    let leaf = pki.leaf("localhost");
+    let (app, _dir) = app_serving_tls(&leaf).await;
+    let mut client_config = (*pki.client_config()).clone();
+    client_config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let stream = TlsConnector::from(Arc::new(client_config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .expect("TLS handshake");
+    assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let mut sender = crate::support::http2_sender(stream).await;
+    for expected in ["forwarded", "duplicate"] {
+        let response = crate::support::send_http2(&mut sender, "/hooks/orders", "evt_h2").await;
+        assert_eq!((response.status, response.outcome()), (200, expected));
+    }
+    assert_eq!(app.upstream.seen().len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
