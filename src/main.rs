@@ -11,6 +11,9 @@ use dedupe_proxy::store::Store;
 use dedupe_proxy::{Application, Config, telemetry};
 use tokio_util::sync::CancellationToken;
 
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 const RUNTIME_FAILURE: u8 = 1;
 const CONFIG_ERROR: u8 = 2;
 
