@@ -262,24 +262,29 @@ fn hop_by_hop_bit(name: &HeaderName) -> u8 {
 /// [`hop_by_hop_bit`].
 fn remove_hop_by_hop(headers: &mut HeaderMap, present: u8) {
     if present & hop_by_hop_bit(&header::CONNECTION) != 0 {
-        // Values are cloned (which shares their bytes) so the fields they
-        // name can be removed while they are read; a repeated `Connection`
-        // is rare.
-        let mut connection = headers.get_all(header::CONNECTION).iter();
-        let first = connection.next().cloned();
-        let rest: Vec<HeaderValue> = connection.cloned().collect();
-        for value in first.into_iter().chain(rest) {
-            let names = value.to_str().into_iter().flat_map(|v| v.split(','));
-            for name in names.map(str::trim) {
-                // The fixed set is removed below; an invalid name matches
-                // no field.
-                if !HOP_BY_HOP
+        // Most `Connection` fields are just `keep-alive` (or `close`): they
+        // name no field to remove, and are passed over without being parsed.
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter(|value| {
+                let value = value.as_bytes();
+                !(value.eq_ignore_ascii_case(b"keep-alive") || value.eq_ignore_ascii_case(b"close"))
+            })
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|value| value.split(','))
+            .map(str::trim)
+            // The fixed set is removed below; an invalid name matches no
+            // field.
+            .filter(|name| {
+                !HOP_BY_HOP
                     .iter()
                     .any(|hop| name.eq_ignore_ascii_case(hop.as_str()))
-                {
-                    headers.remove(name);
-                }
-            }
+            })
+            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
         }
     }
     for (index, name) in HOP_BY_HOP.iter().enumerate() {
@@ -341,6 +346,19 @@ mod tests {
         strip_hop_by_hop(&mut headers);
         let left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
         assert_eq!(left, ["x-kept"]);
+    }
+
+    #[test]
+    fn a_bare_keep_alive_or_close_removes_only_the_connection_fields() {
+        for value in ["keep-alive", "Keep-Alive", "close", "CLOSE"] {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONNECTION, HeaderValue::from_static(value));
+            headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+            headers.insert("x-kept", HeaderValue::from_static("yes"));
+            strip_hop_by_hop(&mut headers);
+            let left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+            assert_eq!(left, ["x-kept"], "{value}");
+        }
     }
 
     #[test]
