@@ -213,6 +213,9 @@ async fn serve(
         http1: super::http1_builder(header_read_timeout),
         http2: super::http2_builder(),
     });
+    // Cancelled when shutdown begins: a connection that has not yet started
+    // a request is closed then, not waited for through the grace period.
+    let closing = CancellationToken::new();
     while let Some((stream, addr)) = incoming.recv().await {
         let counted = OpenConnection(Arc::clone(&open));
         let stream = match TcpStream::from_std(stream) {
@@ -228,7 +231,7 @@ async fn serve(
             let (proxy, peer) = (Arc::clone(&proxy), peer.clone());
             async move { Ok::<_, Infallible>(proxy.handle(request, peer).await) }
         });
-        let (http, watcher) = (Arc::clone(&http), graceful.watcher());
+        let (http, watcher, closing) = (Arc::clone(&http), graceful.watcher(), closing.clone());
         // One task type per transport: a task is as large as its largest
         // state, and a plain connection should not carry room for a TLS
         // session for as long as it stays open.
@@ -236,7 +239,10 @@ async fn serve(
             None => tokio::spawn(async move {
                 // Bounded like the headers that follow: a sender that
                 // connects and sends nothing is closed too.
-                let sniffed = tokio::time::timeout(header_read_timeout, sniff(&stream)).await;
+                let sniffed = tokio::select! {
+                    sniffed = tokio::time::timeout(header_read_timeout, sniff(&stream)) => sniffed,
+                    () = closing.cancelled() => return,
+                };
                 let Ok(Ok(protocol)) = sniffed else {
                     tracing::debug!(%addr, "no request began within the header read timeout");
                     return;
@@ -246,9 +252,11 @@ async fn serve(
                 drop(counted);
             }),
             Some(acceptor) => tokio::spawn(async move {
-                let handshake =
-                    tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
-                let Ok(Ok(stream)) = handshake.await else {
+                let handshake = tokio::select! {
+                    handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)) => handshake,
+                    () = closing.cancelled() => return,
+                };
+                let Ok(Ok(stream)) = handshake else {
                     tracing::debug!(%addr, "TLS handshake failed or timed out");
                     return;
                 };
@@ -262,6 +270,7 @@ async fn serve(
             }),
         };
     }
+    closing.cancel();
     if tokio::time::timeout(grace, graceful.shutdown())
         .await
         .is_err()

@@ -476,3 +476,25 @@ async fn a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim(backen
         .expect("the orphaned claim was settled");
     assert_eq!(app.upstream.count(), 1);
 }
+
+/// A connection that has sent nothing yet is closed when shutdown begins,
+/// not waited for: with a grace period and a header read timeout of a
+/// minute each, shutdown still ends within `TestApp::shutdown`'s bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_has_not_started_a_request_does_not_hold_up_shutdown() {
+    use tokio::io::AsyncReadExt;
+    let mut app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.shutdown_grace = Duration::from_secs(60);
+        config.limits.header_read_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let mut silent = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    // Served, so the silent connection has been handed to a serving thread.
+    assert_eq!(app.deliver("evt_before", "{}").await.outcome(), "forwarded");
+    app.shutdown().await;
+    let mut buffer = [0u8; 16];
+    let closed = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buffer))
+        .await
+        .expect("the silent connection is closed");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+}
