@@ -492,13 +492,8 @@ pub enum Secrets {
 
 impl Config {
     /// Reads, parses and validates a configuration file, applying the
-    /// `DEDUPE_STORE_URL` override.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        Self::load_with(path, Secrets::Resolve)
-    }
-
-    /// [`Config::load`], reading the routes' secrets or not.
-    pub fn load_with(path: &Path, secrets: Secrets) -> Result<Self, ConfigError> {
+    /// `DEDUPE_STORE_URL` override, reading the routes' secrets or not.
+    pub fn load(path: &Path, secrets: Secrets) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,

@@ -29,7 +29,7 @@ async fn main() -> ExitCode {
         Command::Run | Command::CheckConfig { .. } => Secrets::Resolve,
         Command::Migrate | Command::Keys { .. } | Command::Prune { .. } => Secrets::Ignore,
     };
-    let config = match Config::load_with(path, secrets) {
+    let config = match Config::load(path, secrets) {
         Ok(config) => config,
         Err(error) => {
             eprintln!("error: {error}");

@@ -239,22 +239,23 @@ async fn serve(
             None => tokio::spawn(async move {
                 // Bounded like the headers that follow: a sender that
                 // connects and sends nothing is closed too.
-                let sniffed = tokio::select! {
-                    sniffed = tokio::time::timeout(header_read_timeout, sniff(&stream)) => sniffed,
-                    () = closing.cancelled() => return,
+                let sniffed = tokio::time::timeout(header_read_timeout, sniff(&stream));
+                let Some(sniffed) = closing.run_until_cancelled(sniffed).await else {
+                    return;
                 };
                 let Ok(Ok(protocol)) = sniffed else {
                     tracing::debug!(%addr, "no request began within the header read timeout");
                     return;
                 };
-                let served = http.serve(TokioIo::new(stream), protocol, service, watcher);
-                log_connection_end(served.await);
+                http.serve(TokioIo::new(stream), protocol, service, watcher)
+                    .await;
                 drop(counted);
             }),
             Some(acceptor) => tokio::spawn(async move {
-                let handshake = tokio::select! {
-                    handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)) => handshake,
-                    () = closing.cancelled() => return,
+                let handshake =
+                    tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                let Some(handshake) = closing.run_until_cancelled(handshake).await else {
+                    return;
                 };
                 let Ok(Ok(stream)) = handshake else {
                     tracing::debug!(%addr, "TLS handshake failed or timed out");
@@ -264,8 +265,8 @@ async fn serve(
                     Some(b"h2") => Protocol::Http2,
                     _ => Protocol::Http1,
                 };
-                let served = http.serve(TokioIo::new(stream), protocol, service, watcher);
-                log_connection_end(served.await);
+                http.serve(TokioIo::new(stream), protocol, service, watcher)
+                    .await;
                 drop(counted);
             }),
         };
@@ -324,19 +325,14 @@ struct Http {
 }
 
 impl Http {
-    async fn serve<I, S>(
-        &self,
-        io: I,
-        protocol: Protocol,
-        service: S,
-        watcher: Watcher,
-    ) -> Result<(), hyper::Error>
+    /// Serves the connection until it ends, and logs an end in error.
+    async fn serve<I, S>(&self, io: I, protocol: Protocol, service: S, watcher: Watcher)
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
         S: HttpService<Incoming, ResBody = Body, Error = Infallible> + Send + 'static,
         S::Future: Send + 'static,
     {
-        match protocol {
+        let served = match protocol {
             Protocol::Http1 => {
                 watcher
                     .watch(self.http1.serve_connection(io, service))
@@ -347,6 +343,9 @@ impl Http {
             Protocol::Http2 => {
                 Box::pin(watcher.watch(self.http2.serve_connection(io, service))).await
             }
+        };
+        if let Err(error) = served {
+            tracing::debug!(%error, "webhook connection ended with an error");
         }
     }
 }
@@ -362,12 +361,6 @@ impl Drop for OpenConnection {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |open| {
                 (open != STOPPED).then(|| open - 1)
             });
-    }
-}
-
-fn log_connection_end<E: std::fmt::Display>(served: Result<(), E>) {
-    if let Err(error) = served {
-        tracing::debug!(%error, "webhook connection ended with an error");
     }
 }
 
