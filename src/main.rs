@@ -38,7 +38,12 @@ async fn main() -> ExitCode {
     };
     let _log_writer = telemetry::init(cli.log_format, &config.log_level);
     for warning in config.warnings() {
-        tracing::warn!("{warning}");
+        // check-config exists to show them: a quiet log filter must not.
+        if matches!(command, Command::CheckConfig { .. }) {
+            eprintln!("warning: {warning}");
+        } else {
+            tracing::warn!("{warning}");
+        }
     }
     let outcome = match command {
         Command::Run => run(&config).await,
@@ -66,7 +71,7 @@ async fn run(config: &Config) -> anyhow::Result<()> {
 
 async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
     print!("{}", serde_yaml::to_string(&config.effective())?);
-    // Warnings were logged at start-up; stderr keeps stdout parseable YAML.
+    // Warnings went to stderr, which keeps stdout parseable YAML.
     if connect {
         let store = Store::open(&config.store)?;
         store.ping().await?;

@@ -341,12 +341,22 @@ impl StoreUrl {
         let Some((scheme, rest)) = url.split_once("://") else {
             return url.to_owned();
         };
-        let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
-        let mut redacted = match authority.rsplit_once('@') {
-            Some((userinfo, host)) => match userinfo.split_once(':') {
-                Some((user, _)) => format!("{scheme}://{user}:REDACTED@{host}{tail}"),
-                None => url.to_owned(),
-            },
+        // tokio-postgres takes everything up to the first `@` as user and
+        // password, `/` and `?` included (a generated password often holds
+        // them unencoded); the credentials are cut at the last `@` before the
+        // query instead, so a password holding `@` is hidden too.
+        let mut redacted = match rest.find('@') {
+            Some(first_at) => {
+                let query = rest[first_at..]
+                    .find('?')
+                    .map_or(rest.len(), |q| first_at + q);
+                let (userinfo, host_onwards) =
+                    rest.split_at(rest[..query].rfind('@').unwrap_or(first_at));
+                match userinfo.split_once(':') {
+                    Some((user, _)) => format!("{scheme}://{user}:REDACTED{host_onwards}"),
+                    None => url.to_owned(),
+                }
+            }
             None => url.to_owned(),
         };
         // libpq also accepts the password as a query parameter.
@@ -398,5 +408,24 @@ mod tests {
             "postgres://u@db/x?password=REDACTED&sslmode=require"
         );
         assert_eq!(StoreUrl::redact("sqlite://dedupe.db"), "sqlite://dedupe.db");
+    }
+
+    #[test]
+    fn passwords_holding_url_delimiters_are_redacted_whole() {
+        for (url, redacted) in [
+            ("postgres://u:ab/cd@db/x", "postgres://u:REDACTED@db/x"),
+            ("postgres://u:ab?cd@db/x", "postgres://u:REDACTED@db/x"),
+            ("postgres://u:a@b:c@db/x", "postgres://u:REDACTED@db/x"),
+            (
+                "postgres://u:a/b@db/x?application_name=a@b",
+                "postgres://u:REDACTED@db/x?application_name=a@b",
+            ),
+            (
+                "postgres://db/x?application_name=a@b",
+                "postgres://db/x?application_name=a@b",
+            ),
+        ] {
+            assert_eq!(StoreUrl::redact(url), redacted, "{url}");
+        }
     }
 }

@@ -207,6 +207,34 @@ fn check_config_prints_the_effective_config_with_the_password_redacted() {
 }
 
 #[test]
+fn check_config_redacts_a_password_holding_url_delimiters() {
+    let config = "store: { url: 'postgres://app:s3/cr?t@127.0.0.1:1/db' }\nroutes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]\n";
+    let out = run(&["check-config"], Some(config), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!out.stdout.contains("s3/cr"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .contains("postgres://app:REDACTED@127.0.0.1:1/db"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn check_config_prints_warnings_whatever_the_log_level() {
+    let config = "log_level: error\nroutes: [{ name: gh, path: /gh, provider: github }]\n";
+    let out = run(&["check-config"], Some(config), &[("RUST_LOG", "off")]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("warning: routes[0] (gh): provider github without secrets"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stdout.contains("warning"), "stdout stays YAML");
+}
+
+#[test]
 fn configuration_errors_exit_2_naming_the_field() {
     let unknown = run(&["check-config"], Some("store: { lease_time: 5m }\n"), &[]);
     assert_eq!(unknown.code, 2);
