@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, GetAll, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response, Uri};
 use http_body_util::combinators::BoxBody;
@@ -191,10 +191,8 @@ fn prepare_request_headers(
             headers.insert(header::HOST, default_host.clone());
         }
     }
-    let previous = headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok());
-    if let Some(value) = forwarded_for(previous, &peer.ip) {
-        headers.insert(X_FORWARDED_FOR, value);
-    }
+    let forwarded = forwarded_for(headers.get_all(X_FORWARDED_FOR), &peer.ip);
+    headers.insert(X_FORWARDED_FOR, forwarded);
     headers.insert(
         X_FORWARDED_PROTO,
         if peer.tls {
@@ -210,14 +208,21 @@ fn prepare_request_headers(
     }
 }
 
-/// `X-Forwarded-For`: the hops the request came through, then the sender.
-fn forwarded_for(previous: Option<&str>, client: &HeaderValue) -> Option<HeaderValue> {
-    match previous {
-        None => Some(client.clone()),
-        Some(previous) => {
-            HeaderValue::from_bytes(&[previous.as_bytes(), b", ", client.as_bytes()].concat()).ok()
-        }
+/// `X-Forwarded-For`: the hops the request came through, in order, whether
+/// they came as one field or several, then the sender.
+fn forwarded_for(previous: GetAll<'_, HeaderValue>, client: &HeaderValue) -> HeaderValue {
+    let mut joined = Vec::new();
+    for hop in previous.iter().filter(|hop| !hop.is_empty()) {
+        joined.extend_from_slice(hop.as_bytes());
+        joined.extend_from_slice(b", ");
     }
+    if joined.is_empty() {
+        return client.clone();
+    }
+    joined.extend_from_slice(client.as_bytes());
+    // Field values joined by commas are a field value: nothing is added that
+    // a field value may not hold.
+    HeaderValue::from_bytes(&joined).unwrap_or_else(|_| client.clone())
 }
 
 /// Removes the fields that describe one connection, not the message: the
@@ -402,6 +407,26 @@ mod tests {
             prepare_request_headers(&mut first_hop, &peer, None, &default_host());
             assert_eq!(first_hop.headers["x-forwarded-for"], expected);
         }
+    }
+
+    #[test]
+    fn forwarded_for_keeps_every_earlier_hop_in_order() {
+        let peer = Peer::new("198.51.100.7:5555".parse().unwrap(), false);
+        let mut parts = parts(&[
+            ("x-forwarded-for", "192.0.2.1, 192.0.2.2"),
+            ("x-forwarded-for", "192.0.2.3"),
+        ]);
+        prepare_request_headers(&mut parts, &peer, None, &default_host());
+        let forwarded: Vec<_> = parts.headers.get_all("x-forwarded-for").iter().collect();
+        assert_eq!(forwarded, ["192.0.2.1, 192.0.2.2, 192.0.2.3, 198.51.100.7"]);
+        let mut opaque = self::parts(&[]);
+        let obs_text = HeaderValue::from_bytes(b"h\xe9te").unwrap();
+        opaque.headers.insert("x-forwarded-for", obs_text);
+        prepare_request_headers(&mut opaque, &peer, None, &default_host());
+        assert_eq!(
+            opaque.headers["x-forwarded-for"].as_bytes(),
+            b"h\xe9te, 198.51.100.7"
+        );
     }
 
     #[test]
