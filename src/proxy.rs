@@ -310,9 +310,10 @@ impl Proxy {
             }
         };
         self.count_claim(route, &claim);
-        let reject_mismatch = claim.payload_mismatch()
-            && route.on_payload_mismatch == OnPayloadMismatch::Reject
-            && route.mode == Mode::Enforce;
+        // In shadow mode too: the claim is released and the 422 recorded as
+        // enforcing would, then the caller forwards the delivery unclaimed.
+        let reject_mismatch =
+            claim.payload_mismatch() && route.on_payload_mismatch == OnPayloadMismatch::Reject;
         match claim {
             Claim::Won { attempt, .. } if reject_mismatch => {
                 self.settle(&request, attempt, Settlement::RELEASED).await;

@@ -21,6 +21,8 @@ on_both_stores!(
     json_keys_are_read_from_the_body,
     shadow_mode_forwards_everything_but_records_claims,
     payload_mismatch_is_counted_or_rejected,
+    a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_released,
+    shadow_mode_records_the_payload_mismatches_it_would_reject,
     forwarded_requests_carry_dedupe_and_forwarding_headers,
     unmatched_requests_are_forwarded_untouched,
     missing_key_can_be_forwarded_without_dedupe,
@@ -268,6 +270,78 @@ async fn payload_mismatch_is_counted_or_rejected(backend: Backend) {
         .await;
     assert_eq!((rejected.status, rejected.outcome()), (422, "rejected"));
     assert_eq!(app.upstream.count(), 2);
+}
+
+async fn a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_released(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| {
+        config.routes[1].on_payload_mismatch = Some(OnPayloadMismatch::Reject)
+    })
+    .await;
+    app.upstream.script("evt_f", [Behavior::Status(500)]);
+    let first = app
+        .post("/hooks/json", &[], r#"{"id":"evt_f","n":1}"#)
+        .await;
+    assert_eq!((first.status, first.outcome()), (500, "forwarded"));
+    let changed = app
+        .post("/hooks/json", &[], r#"{"id":"evt_f","n":2}"#)
+        .await;
+    assert_eq!((changed.status, changed.outcome()), (422, "rejected"));
+    assert_eq!(
+        app.upstream.count(),
+        1,
+        "the mismatched retry is not forwarded"
+    );
+    // Its claim (attempt 2) was released, not left processing: the original
+    // body's retry is forwarded at once, as attempt 3.
+    let retry = app
+        .post("/hooks/json", &[], r#"{"id":"evt_f","n":1}"#)
+        .await;
+    assert_eq!((retry.status, retry.outcome()), (200, "forwarded"));
+    assert_eq!(app.upstream.seen()[1].header("x-dedupe-attempt"), Some("3"));
+}
+
+async fn shadow_mode_records_the_payload_mismatches_it_would_reject(backend: Backend) {
+    let app = TestApp::spawn(backend, |config| {
+        config.routes[1].mode = Mode::Shadow;
+        config.routes[1].on_payload_mismatch = Some(OnPayloadMismatch::Reject);
+    })
+    .await;
+    app.upstream.script("evt_f", [Behavior::Status(500)]);
+    for (body, status) in [
+        (r#"{"id":"evt_d","n":1}"#, 200),
+        (r#"{"id":"evt_d","n":2}"#, 200),
+        (r#"{"id":"evt_f","n":1}"#, 500),
+        (r#"{"id":"evt_f","n":2}"#, 200),
+    ] {
+        let response = app.post("/hooks/json", &[], body).await;
+        assert_eq!(
+            (response.status, response.outcome()),
+            (status, "passthrough"),
+            "{body}"
+        );
+    }
+    assert_eq!(app.upstream.count(), 4, "shadow mode suppresses nothing");
+    let unclaimed = &app.upstream.seen()[3];
+    assert_eq!(
+        unclaimed.header("x-dedupe-key"),
+        None,
+        "forwarded unclaimed"
+    );
+    // As enforcing would have left it: the failed key was not settled by the
+    // mismatched delivery, so its original body is claimed again (attempt 3).
+    app.post("/hooks/json", &[], r#"{"id":"evt_f","n":1}"#)
+        .await;
+    assert_eq!(app.upstream.seen()[4].header("x-dedupe-attempt"), Some("3"));
+    let metrics = app.admin_get("/metrics").await.body;
+    for line in [
+        r#"dedupe_requests_total{outcome="rejected_payload_mismatch",route="json"} 2"#,
+        r#"dedupe_payload_mismatch_total{route="json"} 2"#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} missing from\n{metrics}"
+        );
+    }
 }
 
 async fn forwarded_requests_carry_dedupe_and_forwarding_headers(backend: Backend) {
