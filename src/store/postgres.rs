@@ -79,6 +79,9 @@ struct Statements {
     /// planned for its arrays on every run.
     claim_one: String,
     settle_one: String,
+    /// Reads the keys a claim lost to a row it could not see (see
+    /// `BatchRunner::recheck_lost`).
+    recheck: String,
 }
 
 impl Statements {
@@ -113,7 +116,8 @@ impl Statements {
             // `prior` reads the statement's snapshot, i.e. the rows as they
             // were before it: it only classifies results. A row committed by
             // a concurrent claim after the snapshot is invisible to `prior`
-            // and to the UPDATE; losing to it means in flight. New rows are
+            // and to the UPDATE; losing to it means in flight (its status
+            // and payload hash are read afterwards, by `recheck`). New rows are
             // inserted in key order, so concurrent batches wait on shared
             // new keys in the same order; a deadlock between retakes is
             // refused by the server and the keys are then claimed one by one.
@@ -198,6 +202,12 @@ impl Statements {
                     SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
                   WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3
                  RETURNING 1::int8"
+            ),
+            recheck: format!(
+                "SELECT i.ord, e.status, e.payload_sha256,
+                        extract(epoch FROM now() - e.received_at)::float8
+                   FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS i(source, event_id, ord)
+                   JOIN {table} e USING (source, event_id)"
             ),
         }
     }
@@ -501,11 +511,18 @@ impl BatchRunner {
             }
         };
         let mut claims = vec![None; requests.len()];
+        let mut unseen = Vec::new();
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
             if let Some(slot) = claims.get_mut(index) {
+                if lost_to_an_unseen_row(row) {
+                    unseen.push(index);
+                }
                 *slot = Some(claim_from_row(row, &requests[index].payload_sha256));
             }
+        }
+        if !unseen.is_empty() {
+            self.recheck_lost(requests, &unseen, &mut claims).await;
         }
         claims
             .into_iter()
@@ -513,6 +530,42 @@ impl BatchRunner {
                 claim.ok_or_else(|| StoreError::Postgres("a claim got no result row".into()))
             })
             .collect()
+    }
+
+    /// A claim that lost to a row inserted by a concurrent claim committed
+    /// after its snapshot saw no row to take the payload hash (or status)
+    /// from: it waited for that insert, then left the key alone. A new
+    /// statement sees the row, so a different body still counts as a
+    /// mismatch. The claim is decided and committed either way; if this read
+    /// fails, the key is answered in flight without the body check.
+    async fn recheck_lost(
+        &self,
+        requests: &[&ClaimRequest],
+        unseen: &[usize],
+        claims: &mut [Option<Claim>],
+    ) {
+        let sources: Vec<&str> = unseen.iter().map(|&i| &*requests[i].source).collect();
+        let keys: Vec<&str> = unseen.iter().map(|&i| requests[i].key.as_str()).collect();
+        let params: &Params<'_> = &[(&sources, Type::TEXT_ARRAY), (&keys, Type::TEXT_ARRAY)];
+        let rows = match self.session.query(&self.sql.recheck, params).await {
+            Ok(rows) => rows,
+            Err(error) => {
+                tracing::warn!(%error, "cannot re-read keys claimed concurrently; answered in flight without comparing their bodies");
+                return;
+            }
+        };
+        for row in &rows {
+            let ord = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            let Some(&index) = unseen.get(ord) else {
+                continue;
+            };
+            let stored_sha: Option<&[u8]> = row.get(2);
+            claims[index] = Some(lost_claim(
+                row.get(1),
+                row.get(3),
+                stored_sha.is_some_and(|stored| stored != requests[index].payload_sha256),
+            ));
+        }
     }
 
     /// Settles a batch; as with claims, a refused statement is retried one
@@ -621,12 +674,26 @@ fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
             },
             payload_mismatch,
         },
-        (false, Some("done")) => Claim::Done {
+        (false, prior) => lost_claim(prior, age_seconds, payload_mismatch),
+    }
+}
+
+/// A claim that did not win, by the status of the row that beat it.
+fn lost_claim(status: Option<&str>, age_seconds: f64, payload_mismatch: bool) -> Claim {
+    match status {
+        Some("done") => Claim::Done {
             age: Duration::from_secs_f64(age_seconds.max(0.0)),
             payload_mismatch,
         },
-        (false, _) => Claim::InFlight { payload_mismatch },
+        _ => Claim::InFlight { payload_mismatch },
     }
+}
+
+/// Whether a claim lost to a row its statement's snapshot did not hold.
+fn lost_to_an_unseen_row(row: &Row) -> bool {
+    let won: bool = row.get(1);
+    let prior_status: Option<&str> = row.get(4);
+    !won && prior_status.is_none()
 }
 
 fn postgres_error(error: tokio_postgres::Error) -> StoreError {

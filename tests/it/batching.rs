@@ -276,3 +276,45 @@ async fn a_store_outage_mid_batch_never_yields_two_owners() {
         results.len()
     );
 }
+
+/// A duplicate that arrives while the first delivery's insert is still
+/// uncommitted waits for it, then loses to a row its statement's snapshot
+/// does not hold: the key's payload hash is still compared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_loses_to_an_uncommitted_insert_still_compares_bodies() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    let mut first = test_store.postgres().await;
+    let insert = first.transaction().await.unwrap();
+    insert
+        .execute(
+            "INSERT INTO processed_events (source, event_id, status, payload_sha256, lease_expires_at)
+             VALUES ('src', 'r1', 'processing', $1, now() + interval '1 minute')",
+            &[&&[1u8; 32][..]],
+        )
+        .await
+        .unwrap();
+    let duplicate = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("r1")).await }
+    });
+    let observer = test_store.postgres().await;
+    let waiting_on_a_lock = "SELECT count(*) FROM pg_stat_activity
+                              WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    while observer
+        .query_one(waiting_on_a_lock, &[])
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+        == 0
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    insert.commit().await.unwrap();
+    assert_eq!(
+        duplicate.await.unwrap().unwrap(),
+        Claim::InFlight {
+            payload_mismatch: true
+        }
+    );
+}
