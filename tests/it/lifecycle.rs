@@ -123,6 +123,10 @@ async fn store_outage_answers_503_forwards_nothing_and_recovers_without_restart(
         metrics.contains(r#"dedupe_store_errors_total{op="claim"}"#),
         "{metrics}"
     );
+    assert!(
+        metrics.contains(r#"dedupe_requests_total{outcome="store_unavailable",route="orders"}"#),
+        "{metrics}"
+    );
 }
 
 async fn store_outage_can_forward_without_dedupe(backend: Backend) {
@@ -140,6 +144,9 @@ async fn store_outage_can_forward_without_dedupe(backend: Backend) {
     }
     assert_eq!(app.upstream.count(), 2);
     assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
+    let metrics = app.admin_get("/metrics").await.body;
+    let counted = r#"dedupe_requests_total{outcome="store_unavailable",route="orders"} 2"#;
+    assert!(metrics.lines().any(|l| l == counted), "{metrics}");
     outage.end();
 }
 

@@ -102,6 +102,12 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         outcome(app.deliver("evt_500", "{}").await),
         (200, "forwarded".into())
     );
+    // A redirect and a client error: forwarded answers, settled failed.
+    for (key, status) in [("evt_302", 302), ("evt_404", 404)] {
+        app.upstream.script(key, [Behavior::Status(status)]);
+        let answered = outcome(app.deliver(key, "{}").await);
+        assert_eq!(answered, (status, "forwarded".into()));
+    }
     // An upstream that never answers.
     app.upstream.script("evt_hang", [Behavior::Hang]);
     assert_eq!(
@@ -125,14 +131,14 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         ),
         (200, "passthrough".into())
     );
-    assert_eq!(app.upstream.count(), 6);
+    assert_eq!(app.upstream.count(), 8);
 
     let metrics = scrape(&app).await;
     assert_families_and_labels(&metrics);
     assert_eq!(
         metrics.series("dedupe_requests_total"),
         series(&[
-            (&[("route", "orders"), ("outcome", "forwarded")], 4.0),
+            (&[("route", "orders"), ("outcome", "forwarded")], 6.0),
             (&[("route", "orders"), ("outcome", "duplicate")], 2.0),
             (&[("route", "orders"), ("outcome", "in_flight")], 1.0),
             (&[("route", "orders"), ("outcome", "upstream_error")], 1.0),
@@ -154,7 +160,7 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
     assert_eq!(
         metrics.series("dedupe_claims_total"),
         series(&[
-            (&[("route", "orders"), ("result", "won_new")], 4.0),
+            (&[("route", "orders"), ("result", "won_new")], 6.0),
             (&[("route", "orders"), ("result", "won_failed")], 1.0),
             (&[("route", "orders"), ("result", "lost_done")], 2.0),
             (&[("route", "orders"), ("result", "lost_in_flight")], 1.0),
@@ -164,6 +170,8 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         metrics.series("dedupe_upstream_responses_total"),
         series(&[
             (&[("route", "orders"), ("class", "2xx")], 3.0),
+            (&[("route", "orders"), ("class", "3xx")], 1.0),
+            (&[("route", "orders"), ("class", "4xx")], 1.0),
             (&[("route", "orders"), ("class", "5xx")], 1.0),
             (&[("route", "orders"), ("class", "timeout")], 1.0),
         ])
@@ -180,16 +188,16 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         series(&[(&[("version", env!("CARGO_PKG_VERSION"))], 1.0)])
     );
 
-    // Histogram counts match the traffic: 5 upstream calls on the route, 8
-    // claims, 5 settles, 2 duplicates; nothing else was observed.
+    // Histogram counts match the traffic: 7 upstream calls on the route, 10
+    // claims, 7 settles, 2 duplicates; nothing else was observed.
     let counts = |family: &str| metrics.series(&format!("{family}_count"));
     assert_eq!(
         counts("dedupe_upstream_duration_seconds"),
-        series(&[(&[("route", "orders")], 5.0)])
+        series(&[(&[("route", "orders")], 7.0)])
     );
     assert_eq!(
         counts("dedupe_store_duration_seconds"),
-        series(&[(&[("op", "claim")], 8.0), (&[("op", "settle")], 5.0)])
+        series(&[(&[("op", "claim")], 10.0), (&[("op", "settle")], 7.0)])
     );
     assert_eq!(
         counts("dedupe_duplicate_age_seconds"),
@@ -210,7 +218,7 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
             "dedupe_upstream_duration_seconds_bucket",
             &[("route", "orders"), ("le", "0.5")]
         ),
-        Some(4.0),
+        Some(6.0),
         "only the timed-out call took longer than 0.5s"
     );
 }
