@@ -206,6 +206,66 @@ fn check_config_prints_the_effective_config_with_the_password_redacted() {
     assert!(out.stdout.contains("REDACTED"));
 }
 
+/// Every default SPEC section 5 names, as check-config prints them for a
+/// configuration that sets nothing but one route.
+#[test]
+fn check_config_fills_in_every_default() {
+    let config = "routes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]\n";
+    let out = run(&["check-config"], Some(config), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let printed: serde_yaml::Value = serde_yaml::from_str(&out.stdout).unwrap();
+    let expected: serde_yaml::Value = serde_yaml::from_str(
+        "
+listen: 0.0.0.0:8080
+admin_listen: 127.0.0.1:9090
+upstream: { url: 'http://127.0.0.1:3000', timeout: 30s, connect_timeout: 2s }
+store:
+  url: sqlite://dedupe.db
+  table: processed_events
+  lease: 5m
+  retention: 7days
+  prune_interval: 10m
+  pool_size: 16
+  on_unavailable: reject
+  timeout: 2s
+  retry_after: 5s
+  migrate: true
+  statement_cache: true
+log_level: info
+limits:
+  max_body_bytes: 1048576
+  max_key_bytes: 256
+  max_concurrent_requests: 1024
+  header_read_timeout: 30s
+  body_read_timeout: 30s
+shutdown_grace: 25s
+defaults:
+  done_on: [2xx]
+  duplicate_status: 200
+  in_flight_status: 409
+  in_flight_retry_after: 5s
+  on_missing_key: reject
+  on_payload_mismatch: warn
+unmatched: forward
+",
+    )
+    .unwrap();
+    let mut route = printed["routes"][0].clone();
+    let route = route.as_mapping_mut().unwrap();
+    for (field, value) in expected["defaults"].as_mapping().unwrap() {
+        assert_eq!(route.remove(field).as_ref(), Some(value), "{field:?}");
+    }
+    let own: serde_yaml::Value = serde_yaml::from_str(
+        "{ name: orders, path: /hooks/orders, methods: [POST], key: { header: X-Event-Id },
+           tolerance: 5m, mode: enforce, retention: 7days }",
+    )
+    .unwrap();
+    assert_eq!(&serde_yaml::Value::from(route.clone()), &own);
+    let mut printed = printed;
+    printed.as_mapping_mut().unwrap().remove("routes");
+    assert_eq!(printed, expected, "{}", out.stdout);
+}
+
 #[test]
 fn check_config_redacts_a_password_holding_url_delimiters() {
     let config = "store: { url: 'postgres://app:s3/cr?t@127.0.0.1:1/db' }\nroutes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]\n";
