@@ -484,17 +484,23 @@ async fn a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim(backen
     assert_eq!(app.upstream.count(), 1);
 }
 
+/// A proxy that, in shutdown, would wait a minute for a connection that it
+/// did not close.
+async fn spawn_with_a_minute_of_grace() -> TestApp {
+    TestApp::spawn(Backend::Sqlite, |config| {
+        config.shutdown_grace = Duration::from_secs(60);
+        config.limits.header_read_timeout = Duration::from_secs(60);
+    })
+    .await
+}
+
 /// A connection that has sent nothing yet is closed when shutdown begins,
 /// not waited for: with a grace period and a header read timeout of a
 /// minute each, shutdown still ends within `TestApp::shutdown`'s bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_has_not_started_a_request_does_not_hold_up_shutdown() {
     use tokio::io::AsyncReadExt;
-    let mut app = TestApp::spawn(Backend::Sqlite, |config| {
-        config.shutdown_grace = Duration::from_secs(60);
-        config.limits.header_read_timeout = Duration::from_secs(60);
-    })
-    .await;
+    let mut app = spawn_with_a_minute_of_grace().await;
     let mut silent = tokio::net::TcpStream::connect(app.addr).await.unwrap();
     // Served, so the silent connection has been handed to a serving thread.
     assert_eq!(app.deliver("evt_before", "{}").await.outcome(), "forwarded");
@@ -503,5 +509,38 @@ async fn a_connection_that_has_not_started_a_request_does_not_hold_up_shutdown()
     let closed = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buffer))
         .await
         .expect("the silent connection is closed");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+}
+
+/// An idle keep-alive connection is closed when shutdown begins: with a
+/// grace period and a header read timeout of a minute each, shutdown still
+/// ends within `TestApp::shutdown`'s bound and the sender sees the close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_is_closed_when_shutdown_begins() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut app = spawn_with_a_minute_of_grace().await;
+    let mut kept = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    kept.write_all(
+        b"POST /hooks/orders HTTP/1.1\r\nhost: proxy\r\nx-event-id: evt_kept\r\ncontent-length: 2\r\n\r\n{}",
+    )
+    .await
+    .unwrap();
+    let mut answered = Vec::new();
+    let mut buffer = [0u8; 1024];
+    while !String::from_utf8_lossy(&answered).ends_with("upstream says 200 to evt_kept") {
+        let read = kept.read(&mut buffer).await.unwrap();
+        assert_ne!(read, 0, "closed before answering");
+        answered.extend_from_slice(&buffer[..read]);
+    }
+    let answered = String::from_utf8_lossy(&answered).into_owned();
+    assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+    assert!(
+        !answered.to_ascii_lowercase().contains("connection: close"),
+        "{answered}"
+    );
+    app.shutdown().await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), kept.read(&mut buffer))
+        .await
+        .expect("the idle connection is closed");
     assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
 }
