@@ -309,7 +309,7 @@ impl Proxy {
                 };
             }
         };
-        self.count_claim(route, &claim);
+        self.count_claim(route, &request.key, &claim);
         // In shadow mode too: the claim is released and the 422 recorded as
         // enforcing would, then the caller forwards the delivery unclaimed.
         let reject_mismatch =
@@ -536,7 +536,7 @@ impl Proxy {
         }
     }
 
-    fn count_claim(&self, route: &Route, claim: &Claim) {
+    fn count_claim(&self, route: &Route, key: &str, claim: &Claim) {
         let result = match claim {
             Claim::Won {
                 from: WonFrom::New, ..
@@ -569,6 +569,7 @@ impl Proxy {
                 .inc();
             tracing::warn!(
                 route = &*route.name,
+                key,
                 "event id delivered again with a different body"
             );
         }

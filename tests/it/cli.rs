@@ -29,15 +29,21 @@ impl ProxyProcess {
 
     /// Starts the binary with `RUST_LOG=filter`, keeping every stderr line.
     pub async fn start_with_log_filter(config: &str, filter: &str) -> Self {
-        Self::launch(config, filter, None).await
+        Self::launch(config, Some(filter), None).await
+    }
+
+    /// Starts the binary without `RUST_LOG`: the configuration's `log_level`
+    /// filters.
+    pub async fn start_with_configured_log_level(config: &str) -> Self {
+        Self::launch(config, None, None).await
     }
 
     /// Starts the binary allowed at most `limit` open file descriptors.
     pub async fn start_with_fd_limit(config: &str, limit: u32) -> Self {
-        Self::launch(config, "info", Some(limit)).await
+        Self::launch(config, Some("info"), Some(limit)).await
     }
 
-    async fn launch(config: &str, filter: &str, fd_limit: Option<u32>) -> Self {
+    async fn launch(config: &str, filter: Option<&str>, fd_limit: Option<u32>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).unwrap();
@@ -50,10 +56,13 @@ impl ProxyProcess {
                 command
             }
         };
+        match filter {
+            Some(filter) => command.env("RUST_LOG", filter),
+            None => command.env_remove("RUST_LOG"),
+        };
         let mut child = command
             .args(["run", "--log-format", "json", "--config"])
             .arg(&path)
-            .env("RUST_LOG", filter)
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()

@@ -13,10 +13,23 @@ use crate::support::{Backend, TestResponse, TestStore, Upstream, client};
 
 const MARKER: &str = "BODY-MARKER-5f1c2e";
 
+/// One header-keyed route on `store_url` in front of `upstream`, on free
+/// ports, with `extra` top-level settings.
+fn config(upstream: &Upstream, store_url: &str, extra: &str) -> String {
+    format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n{extra}upstream: {{ url: '{}' }}\nstore: {{ url: '{store_url}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url()
+    )
+}
+
 async fn deliver(proxy: &ProxyProcess, key: &str) -> TestResponse {
+    deliver_body(proxy, key, format!(r#"{{"card":"{MARKER}"}}"#)).await
+}
+
+async fn deliver_body(proxy: &ProxyProcess, key: &str, body: String) -> TestResponse {
     let request = Request::post(format!("http://{}/hooks/orders", proxy.addr))
         .header("x-event-id", key)
-        .body(Full::new(Bytes::from(format!(r#"{{"card":"{MARKER}"}}"#))))
+        .body(Full::new(Bytes::from(body)))
         .unwrap();
     TestResponse::read(client().request(request).await.expect("proxy answers")).await
 }
@@ -25,15 +38,13 @@ async fn deliver(proxy: &ProxyProcess, key: &str) -> TestResponse {
 async fn each_webhook_logs_one_json_line_and_no_body() {
     let store = TestStore::new(Backend::Sqlite).await;
     let upstream = Upstream::start().await;
-    let config = format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
-        upstream.url(),
-        store.url
-    );
+    let config = config(&upstream, &store.url, "");
     let mut proxy = ProxyProcess::start_with_log_filter(&config, "trace").await;
     proxy.wait_ready().await;
     assert_eq!(deliver(&proxy, "evt_log").await.outcome(), "forwarded");
     assert_eq!(deliver(&proxy, "evt_log").await.outcome(), "duplicate");
+    let changed = deliver_body(&proxy, "evt_log", format!(r#"{{"card":"{MARKER}","n":2}}"#));
+    assert_eq!(changed.await.outcome(), "duplicate");
     proxy.terminate();
     let lines = proxy.all_log_lines().await;
 
@@ -50,7 +61,7 @@ async fn each_webhook_logs_one_json_line_and_no_body() {
         .iter()
         .filter(|event| event["message"] == "webhook")
         .collect();
-    assert_eq!(webhooks.len(), 2, "one line per webhook: {webhooks:#?}");
+    assert_eq!(webhooks.len(), 3, "one line per webhook: {webhooks:#?}");
 
     let forwarded = webhooks[0];
     assert_eq!(forwarded["level"], "INFO");
@@ -71,6 +82,15 @@ async fn each_webhook_logs_one_json_line_and_no_body() {
     assert!(duplicate.get("upstream_status").is_none(), "{duplicate}");
     assert!(duplicate.get("attempt").is_none(), "{duplicate}");
 
+    let mismatches: Vec<&Value> = events
+        .iter()
+        .filter(|event| event["message"] == "event id delivered again with a different body")
+        .collect();
+    assert_eq!(mismatches.len(), 1, "{events:#?}");
+    assert_eq!(mismatches[0]["level"], "WARN");
+    assert_eq!(mismatches[0]["route"], "orders");
+    assert_eq!(mismatches[0]["key"], "evt_log");
+
     let leaked: Vec<&String> = lines.iter().filter(|l| l.contains(MARKER)).collect();
     assert!(leaked.is_empty(), "the body was logged: {leaked:#?}");
     assert_eq!(upstream.count(), 1);
@@ -88,11 +108,7 @@ async fn store_errors_are_logged_with_the_servers_message() {
     let store = TestStore::new(Backend::Postgres).await;
     let missing = store.url.rsplit_once('/').unwrap().0.to_owned() + "/dedupe_no_such_database";
     let upstream = Upstream::start().await;
-    let mut proxy = ProxyProcess::start(&format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{missing}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
-        upstream.url()
-    ))
-    .await;
+    let mut proxy = ProxyProcess::start(&config(&upstream, &missing, "")).await;
     let refused = deliver(&proxy, "evt_nodb").await;
     assert_eq!(refused.status, 503);
     proxy.terminate();
@@ -105,4 +121,34 @@ async fn store_errors_are_logged_with_the_servers_message() {
         claim_failed.contains(r#"database \"dedupe_no_such_database\" does not exist"#),
         "{claim_failed}"
     );
+}
+
+/// `log_level` filters when `RUST_LOG` is unset; when set, `RUST_LOG` wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_log_wins_over_the_configured_log_level() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    // Webhook lines are logged by the proxy module at info: this level keeps
+    // the start-up line (readiness) and drops them.
+    let config = config(
+        &upstream,
+        &store.url,
+        "log_level: 'info,dedupe_proxy::proxy=warn'\n",
+    );
+    let webhook_lines = |lines: &[String]| {
+        lines
+            .iter()
+            .filter(|line| line.contains(r#""message":"webhook""#))
+            .count()
+    };
+
+    let mut configured = ProxyProcess::start_with_configured_log_level(&config).await;
+    assert_eq!(deliver(&configured, "evt_a").await.outcome(), "forwarded");
+    configured.terminate();
+    assert_eq!(webhook_lines(&configured.all_log_lines().await), 0);
+
+    let mut overridden = ProxyProcess::start_with_log_filter(&config, "info").await;
+    assert_eq!(deliver(&overridden, "evt_b").await.outcome(), "forwarded");
+    overridden.terminate();
+    assert_eq!(webhook_lines(&overridden.all_log_lines().await), 1);
 }
