@@ -160,11 +160,12 @@ fn scheme(provider: Provider) -> Scheme {
 
 fn retry_horizon(provider: Provider) -> Duration {
     Duration::from_secs(match provider {
-        // Stripe docs ("Process undelivered webhook events", and "Retry
-        // sending an event" under event destinations): in live mode Stripe
-        // resends an undelivered event for up to three days with exponential
-        // backoff (a sandbox retries three times over a few hours).
-        Provider::Stripe => 3 * DAY,
+        // Stripe docs ("Process undelivered webhook events"): in live mode
+        // Stripe resends an undelivered event for up to three days on its
+        // own; any event created in the last 30 days can also be resent by
+        // hand to an endpoint (Stripe CLI `events resend --webhook-endpoint`,
+        // the Dashboard), with its original id.
+        Provider::Stripe => 30 * DAY,
         // GitHub docs ("Redelivering webhooks"): GitHub never retries on its
         // own, but deliveries from the past 3 days can be redelivered by hand
         // or through the API on github.com; GitHub Enterprise Server keeps 7
@@ -328,6 +329,8 @@ mod tests {
         }
         let github = Provider::Github.preset();
         assert_eq!(github.retention, Duration::from_secs(8 * DAY));
+        let stripe = Provider::Stripe.preset();
+        assert_eq!(stripe.retention, Duration::from_secs(31 * DAY));
     }
 
     #[test]
@@ -335,7 +338,7 @@ mod tests {
         let warning = Provider::Stripe.retention_warning(Duration::from_secs(DAY));
         let warning = warning.unwrap();
         assert!(
-            warning.contains("stripe") && warning.contains("3days"),
+            warning.contains("stripe") && warning.contains("30days"),
             "{warning}"
         );
         let hour = Duration::from_secs(HOUR);
