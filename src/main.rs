@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use dedupe_proxy::cli::{Cli, Command, keys};
 use dedupe_proxy::config::Secrets;
-use dedupe_proxy::store::Store;
+use dedupe_proxy::store::{Store, StoreError};
 use dedupe_proxy::{Application, Config, telemetry};
 use tokio_util::sync::CancellationToken;
 
@@ -74,8 +74,14 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
     // Warnings went to stderr, which keeps stdout parseable YAML.
     if connect {
         let store = Store::open(&config.store)?;
-        store.ping().await?;
-        eprintln!("store: reachable");
+        match store.ping().await {
+            Ok(()) => eprintln!("store: reachable"),
+            // Before the first start or `migrate`, that is expected.
+            Err(StoreError::MissingTable) => eprintln!(
+                "store: reachable; the claims table does not exist yet (`dedupe-proxy migrate`, or start-up with store.migrate: true, creates it)"
+            ),
+            Err(error) => return Err(error.into()),
+        }
     }
     Ok(())
 }

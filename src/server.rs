@@ -36,11 +36,12 @@ const MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
 /// How long accepting pauses after an error that is not one connection's.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
-/// Why the proxy could not start.
+/// Why the proxy could not start. Each message leaves its cause to the
+/// error's source, so printing the chain (`{:#}`) names it once.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// A listener could not bind.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -48,17 +49,17 @@ pub enum StartError {
         source: std::io::Error,
     },
     /// The store could not be opened (SQLite file, bad URL).
-    #[error("cannot open the store: {0}")]
+    #[error("cannot open the store")]
     Store(#[from] StoreError),
     /// A route could not be built (a secret became unreadable).
     #[error("{0}")]
     Route(String),
     /// The TLS certificate or key could not be loaded.
-    #[error("tls: {0}")]
+    #[error("tls")]
     Tls(#[from] TlsError),
     /// A webhook serving thread could not be started.
-    #[error("cannot start a serving thread: {0}")]
-    ServingThread(std::io::Error),
+    #[error("cannot start a serving thread")]
+    ServingThread(#[source] std::io::Error),
 }
 
 /// A bound, not yet running proxy.

@@ -148,7 +148,8 @@ pub enum StoreError {
 pub trait Backend: Send + Sync + 'static {
     /// Creates or upgrades the schema.
     fn migrate(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Answers when the store is reachable.
+    /// Answers when the store is reachable and the claims table exists
+    /// ([`StoreError::MissingTable`] when only the table is missing).
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Inserts the key, or takes over a `failed` or lease-expired row, in one
     /// atomic statement decided by the primary key.
@@ -328,6 +329,12 @@ impl StoreUrl {
         }
         match url.strip_prefix("sqlite://") {
             Some("") => Err("sqlite:// needs a file path, e.g. sqlite://dedupe.db".into()),
+            Some(":memory:") => Err(
+                "sqlite://:memory: would lose every key at exit; give a file path, e.g. sqlite://dedupe.db".into(),
+            ),
+            Some(path) if path.starts_with("file:") || path.contains('?') => Err(format!(
+                "`{url}`: sqlite:// takes a plain file path (sqlite://relative.db or sqlite:///absolute.db), without a file: URI or ?query parameters"
+            )),
             Some(path) => Ok(StoreUrl::Sqlite(path.to_owned())),
             None => Err(format!(
                 "`{}` must start with sqlite:// or postgres://",
@@ -394,6 +401,18 @@ mod tests {
             Ok(StoreUrl::Postgres(_))
         ));
         assert!(StoreUrl::parse("sqlite://").is_err());
+        for not_a_file in [
+            "sqlite://:memory:",
+            "sqlite://file:keys.db",
+            "sqlite://file::memory:?cache=shared",
+            "sqlite://keys.db?mode=rwc",
+        ] {
+            assert!(StoreUrl::parse(not_a_file).is_err(), "{not_a_file}");
+        }
+        assert_eq!(
+            StoreUrl::parse("sqlite:///var/lib/dedupe/keys.db"),
+            Ok(StoreUrl::Sqlite("/var/lib/dedupe/keys.db".into()))
+        );
         assert!(StoreUrl::parse("mysql://x").is_err());
     }
 

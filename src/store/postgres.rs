@@ -82,6 +82,8 @@ struct Statements {
     /// Reads the keys a claim lost to a row it could not see (see
     /// `BatchRunner::recheck_lost`).
     recheck: String,
+    /// Reads nothing from the table: fails if it does not exist.
+    probe: String,
 }
 
 impl Statements {
@@ -209,6 +211,7 @@ impl Statements {
                    FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS i(source, event_id, ord)
                    JOIN {table} e USING (source, event_id)"
             ),
+            probe: format!("SELECT 1 FROM {table} LIMIT 0"),
         }
     }
 }
@@ -389,7 +392,7 @@ impl Backend for PostgresStore {
     async fn ping(&self) -> Result<(), StoreError> {
         let client = self.client().await?;
         client
-            .simple_query("SELECT 1")
+            .simple_query(&self.sql.probe)
             .await
             .map(drop)
             .map_err(postgres_error)

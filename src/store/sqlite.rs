@@ -48,6 +48,8 @@ struct Statements {
     prior: String,
     claim: String,
     settle: String,
+    /// Reads nothing from the table: fails if it does not exist.
+    probe: String,
 }
 
 impl Statements {
@@ -91,6 +93,7 @@ impl Statements {
                     SET status = ?4, response_status = ?5, completed_at = ?6, lease_expires_at = NULL
                   WHERE source = ?1 AND event_id = ?2 AND status = 'processing' AND attempts = ?3"
             ),
+            probe: format!("SELECT 1 FROM {table} LIMIT 0"),
         }
     }
 }
@@ -261,7 +264,8 @@ fn open_connection(
     busy_timeout: Duration,
     create: bool,
 ) -> rusqlite::Result<Connection> {
-    let mut flags = OpenFlags::default();
+    // A path, never a `file:` URI: the URL was checked to be a plain file.
+    let mut flags = OpenFlags::default() - OpenFlags::SQLITE_OPEN_URI;
     if !create {
         flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
     }
@@ -289,7 +293,8 @@ impl Backend for SqliteStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.call(|connection| connection.query_row("SELECT 1", [], |_| Ok(())))
+        let probe = self.sql.probe.clone();
+        self.call(move |connection| connection.prepare(&probe)?.query([]).map(drop))
             .await
     }
 

@@ -362,6 +362,22 @@ fn check_config_connect_fails_when_the_store_is_unreachable() {
     assert_eq!(out.code, 1, "{}", out.stderr);
 }
 
+#[test]
+fn check_config_connect_reports_a_missing_table_without_failing() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("fresh.db").display());
+    let config = format!(
+        "store: {{ url: '{url}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n"
+    );
+    let out = run(&["check-config", "--connect"], Some(&config), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("the claims table does not exist yet"),
+        "{}",
+        out.stderr
+    );
+}
+
 #[tokio::test]
 async fn migrate_creates_the_schema() {
     let store = TestStore::new(Backend::Postgres).await;
@@ -425,6 +441,39 @@ fn migrate_against_an_unreachable_store_exits_1() {
         &[],
     );
     assert_eq!(out.code, 1, "{}", out.stderr);
+}
+
+#[test]
+fn an_unopenable_sqlite_file_stops_start_up_with_exit_1_naming_it_once() {
+    let out = run(
+        &["run"],
+        Some(
+            "store: { url: 'sqlite:///nonexistent-dir/keys.db' }\nlisten: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n",
+        ),
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert_eq!(
+        out.stderr.matches("cannot open the store").count(),
+        1,
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("/nonexistent-dir/keys.db"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn a_sqlite_url_that_is_not_a_file_path_is_a_configuration_error() {
+    for url in ["sqlite://:memory:", "sqlite://keys.db?mode=rwc"] {
+        let config = format!("store: {{ url: '{url}' }}\n");
+        let out = run(&["check-config"], Some(&config), &[]);
+        assert_eq!(out.code, 2, "{url}: {}", out.stderr);
+        assert!(out.stderr.contains("store.url"), "{}", out.stderr);
+    }
 }
 
 #[tokio::test]

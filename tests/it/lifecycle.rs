@@ -16,6 +16,7 @@ on_both_stores!(
     a_claim_won_too_late_to_forward_safely_is_released_with_503,
     in_shadow_mode_a_claim_won_too_late_is_released_and_the_delivery_forwarded,
     a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim,
+    readyz_answers_503_while_the_claims_table_is_missing,
 );
 
 /// Makes the store unavailable to the proxy and back: a relay cut for
@@ -339,6 +340,31 @@ async fn a_claim_won_too_late_to_forward_safely_is_released_with_503(backend: Ba
         "the claim was released, not left to expire"
     );
     assert_eq!(app.upstream.seen()[0].header("x-dedupe-attempt"), Some("2"));
+}
+
+/// With `store.migrate: false` nothing creates the table: the proxy is not
+/// ready (every webhook would get 503) until `migrate` has run.
+async fn readyz_answers_503_while_the_claims_table_is_missing(backend: Backend) {
+    let store = Arc::new(TestStore::new(backend).await);
+    let app = TestApp::start(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.migrate = false
+    })
+    .await;
+    let not_ready = app.admin_get("/readyz").await;
+    assert_eq!(not_ready.status, 503);
+    assert!(
+        not_ready.body.contains("claims table does not exist"),
+        "{}",
+        not_ready.body
+    );
+    let config = dedupe_proxy::config::StoreConfig {
+        url: store.url.clone(),
+        ..Default::default()
+    };
+    let migrated = dedupe_proxy::store::Store::open(&config).unwrap();
+    migrated.migrate().await.unwrap();
+    app.wait_ready().await;
+    assert_eq!(app.deliver("evt_ready", "{}").await.outcome(), "forwarded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use dedupe_proxy::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store}
 use crate::exposition::Exposition;
 use crate::on_both_stores;
 use crate::rows;
-use crate::support::{Backend, TestApp, TestStore};
+use crate::support::{Backend, TestApp, TestStore, Upstream};
 
 on_both_stores!(
     keys_past_their_routes_retention_are_pruned_and_younger_ones_kept,
@@ -273,8 +273,9 @@ async fn the_background_pruner_deletes_expired_keys_and_counts_them(backend: Bac
 }
 
 async fn a_failing_prune_round_counts_as_a_store_error(backend: Backend) {
-    // No schema: every prune statement fails.
-    let app = TestApp::spawn(backend, |config| {
+    // No schema: every prune statement fails (and the proxy is never ready).
+    let store = Arc::new(TestStore::new(backend).await);
+    let app = TestApp::start(store, Upstream::start().await, |config| {
         config.store.migrate = false;
         config.store.prune_interval = Duration::from_millis(50);
     })
