@@ -309,6 +309,17 @@ impl Store {
     }
 }
 
+/// `store.table` (checked to be letters, digits and `_`, optionally
+/// schema-qualified) as SQL: each part quoted, so a reserved word such as
+/// `user` or `order` names a table too, and lowercased, which is the table the
+/// same name unquoted has always meant.
+pub(crate) fn sql_identifier(name: &str) -> String {
+    name.split('.')
+        .map(|part| format!("\"{}\"", part.to_ascii_lowercase()))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
 /// A parsed `store.url`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreUrl {

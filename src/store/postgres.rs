@@ -20,7 +20,7 @@ use tokio_postgres::types::{ToSql, Type};
 use super::coalesce::Coalescer;
 use super::{
     Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
-    Settlement, StoreError, WonFrom,
+    Settlement, StoreError, WonFrom, sql_identifier,
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
@@ -87,8 +87,10 @@ struct Statements {
 }
 
 impl Statements {
-    fn new(table: &str) -> Self {
-        let index = table.rsplit('.').next().unwrap_or(table);
+    fn new(table_name: &str) -> Self {
+        let unqualified = table_name.rsplit('.').next().unwrap_or(table_name);
+        let index = sql_identifier(&format!("{unqualified}_received_at_idx"));
+        let table = sql_identifier(table_name);
         Self {
             migrate: format!(
                 "CREATE TABLE IF NOT EXISTS {table} (
@@ -104,7 +106,7 @@ impl Statements {
                    completed_at     timestamptz,
                    PRIMARY KEY (source, event_id)
                  );
-                 CREATE INDEX IF NOT EXISTS {index}_received_at_idx ON {table} (received_at);"
+                 CREATE INDEX IF NOT EXISTS {index} ON {table} (received_at);"
             ),
             // One statement claims a whole batch of keys (no key twice). A new
             // key is decided by the primary key: the INSERT takes it or

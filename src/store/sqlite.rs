@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use super::{
     Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
-    Settlement, StoreError, WonFrom,
+    Settlement, StoreError, WonFrom, sql_identifier,
 };
 use crate::config::StoreConfig;
 
@@ -53,7 +53,9 @@ struct Statements {
 }
 
 impl Statements {
-    fn new(table: &str) -> Self {
+    fn new(table_name: &str) -> Self {
+        let index = sql_identifier(&format!("{table_name}_received_at_idx"));
+        let table = sql_identifier(table_name);
         Self {
             migrate: format!(
                 "CREATE TABLE IF NOT EXISTS {table} (
@@ -69,7 +71,7 @@ impl Statements {
                    completed_at     INTEGER,
                    PRIMARY KEY (source, event_id)
                  ) WITHOUT ROWID;
-                 CREATE INDEX IF NOT EXISTS {table}_received_at_idx ON {table} (received_at);"
+                 CREATE INDEX IF NOT EXISTS {index} ON {table} (received_at);"
             ),
             prior: format!(
                 "SELECT status, payload_sha256, received_at FROM {table}

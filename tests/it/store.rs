@@ -20,6 +20,7 @@ on_both_stores!(
     migration_is_idempotent,
     a_released_claim_fences_out_its_owner_and_the_next_delivery_wins,
     show_returns_every_column_and_forget_deletes,
+    a_table_named_by_a_reserved_word_works,
 );
 
 async fn open(backend: Backend) -> (TestStore, Store) {
@@ -298,4 +299,34 @@ async fn show_returns_every_column_and_forget_deletes(backend: Backend) {
             ..
         }
     ));
+}
+
+/// `store.table` is quoted in SQL, so a reserved word is a usable name; it
+/// is lowercased, as the same name unquoted always was.
+async fn a_table_named_by_a_reserved_word_works(backend: Backend) {
+    let test_store = TestStore::new(backend).await;
+    let config = StoreConfig {
+        url: test_store.url.clone(),
+        table: "Order".into(),
+        ..StoreConfig::default()
+    };
+    let store = Store::open(&config).expect("open store");
+    store.migrate().await.expect("migrate");
+    store.migrate().await.expect("migrate again");
+    store.ping().await.expect("the table is found");
+    let claim = request("k9", b"body", MINUTE);
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Won { attempt: 1, .. }
+    ));
+    store.settle("src", "k9", 1, DONE).await.unwrap();
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Done { .. }
+    ));
+    assert_eq!(
+        store.show("src", "k9").await.unwrap().map(|k| k.status),
+        Some(KeyStatus::Done)
+    );
+    assert!(store.forget("src", "k9").await.unwrap());
 }

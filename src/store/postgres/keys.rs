@@ -9,6 +9,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::Type;
 
 use super::{PostgresStore, postgres_error};
+use crate::store::sql_identifier;
 use crate::store::{
     KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources, StoreError,
 };
@@ -32,7 +33,8 @@ pub(super) struct Statements {
 }
 
 impl Statements {
-    pub(super) fn new(table: &str) -> Self {
+    pub(super) fn new(table_name: &str) -> Self {
+        let table = &sql_identifier(table_name);
         Self {
             list: format!(
                 "SELECT {COLUMNS} FROM {table}
@@ -54,7 +56,7 @@ impl Statements {
             ),
             prune_only: prune_statement(table, "source = ANY($2)"),
             prune_except: prune_statement(table, "source <> ALL($2)"),
-            prune_lock: format!("dedupe-proxy prune {table}"),
+            prune_lock: format!("dedupe-proxy prune {table_name}"),
         }
     }
 }

@@ -9,7 +9,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rusqlite::types::Type;
 use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
 
-use crate::store::{KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources};
+use crate::store::{
+    KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources, sql_identifier,
+};
 
 const COLUMNS: &str = "source, event_id, status, attempts, payload_sha256, response_status, \
                        received_at, claimed_at, lease_expires_at, completed_at";
@@ -25,7 +27,8 @@ pub(super) struct Statements {
 }
 
 impl Statements {
-    pub(super) fn new(table: &str) -> Self {
+    pub(super) fn new(table_name: &str) -> Self {
+        let table = &sql_identifier(table_name);
         Self {
             list: format!(
                 "SELECT {COLUMNS} FROM {table}
