@@ -29,8 +29,9 @@ enum Verification {
 /// A PostgreSQL URL split into the driver's configuration and the TLS
 /// connector its `sslmode` and `sslrootcert` call for.
 pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, PostgresTls), String> {
-    let (url, sslmode, rootcert) = take_tls_parameters(url);
-    let mut config: tokio_postgres::Config = url.parse().map_err(|e| format!("{e}"))?;
+    let (url, sslmode, rootcert) = take_tls_parameters(url)?;
+    let mut config: tokio_postgres::Config =
+        url.parse().map_err(|e| crate::error_chain(&e))?;
     let verification = match sslmode.as_deref() {
         None | Some("prefer") => {
             config.ssl_mode(SslMode::Prefer);
@@ -40,6 +41,8 @@ pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, PostgresTls
             config.ssl_mode(SslMode::Disable);
             Verification::None
         }
+        // libpq's `allow` tries plain text first; encrypting whenever the
+        // server offers it, as `prefer` does, is never weaker.
         Some("allow") => {
             config.ssl_mode(SslMode::Prefer);
             Verification::None
@@ -62,7 +65,7 @@ pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, PostgresTls
         }
         Some(other) => {
             return Err(format!(
-                "sslmode `{other}` is not one of disable, prefer, require, verify-ca, verify-full"
+                "sslmode `{other}` is not one of disable, allow, prefer, require, verify-ca, verify-full"
             ));
         }
     };
@@ -93,16 +96,27 @@ where
     }
 }
 
-/// Removes `sslmode` and `sslrootcert` from the query string, returning them.
-fn take_tls_parameters(url: &str) -> (String, Option<String>, Option<PathBuf>) {
+type TlsParameters = (String, Option<String>, Option<PathBuf>);
+
+/// Removes `sslmode` and `sslrootcert` from the query string, returning
+/// them percent-decoded, as libpq reads every URL parameter.
+fn take_tls_parameters(url: &str) -> Result<TlsParameters, String> {
     let Some((base, query)) = url.split_once('?') else {
-        return (url.to_owned(), None, None);
+        return Ok((url.to_owned(), None, None));
+    };
+    let decoded = |name: &str, value: &str| {
+        percent_encoding::percent_decode_str(value)
+            .decode_utf8()
+            .map(|value| value.into_owned())
+            .map_err(|_| format!("{name}: percent-encoded bytes that are not UTF-8"))
     };
     let (mut sslmode, mut rootcert, mut kept) = (None, None, Vec::new());
     for pair in query.split('&') {
         match pair.split_once('=') {
-            Some(("sslmode", value)) => sslmode = Some(value.to_owned()),
-            Some(("sslrootcert", value)) => rootcert = Some(PathBuf::from(value)),
+            Some(("sslmode", value)) => sslmode = Some(decoded("sslmode", value)?),
+            Some(("sslrootcert", value)) => {
+                rootcert = Some(PathBuf::from(decoded("sslrootcert", value)?));
+            }
             _ => kept.push(pair),
         }
     }
@@ -111,7 +125,7 @@ fn take_tls_parameters(url: &str) -> (String, Option<String>, Option<PathBuf>) {
     } else {
         format!("{base}?{}", kept.join("&"))
     };
-    (url, sslmode, rootcert)
+    Ok((url, sslmode, rootcert))
 }
 
 fn client_config(
@@ -248,14 +262,21 @@ mod tests {
     fn tls_parameters_are_taken_out_of_the_url() {
         let (url, mode, root) = take_tls_parameters(
             "postgres://u@db/x?sslmode=verify-full&application_name=a&sslrootcert=/ca.pem",
-        );
+        )
+        .unwrap();
         assert_eq!(url, "postgres://u@db/x?application_name=a");
         assert_eq!(mode.as_deref(), Some("verify-full"));
         assert_eq!(root, Some(PathBuf::from("/ca.pem")));
         assert_eq!(
-            take_tls_parameters("postgres://u@db/x").0,
+            take_tls_parameters("postgres://u@db/x").unwrap().0,
             "postgres://u@db/x"
         );
+        let (_, mode, root) = take_tls_parameters(
+            "postgres://u@db/x?sslmode=verify%2Dfull&sslrootcert=%2Fetc%2Fmy%20ca.pem",
+        )
+        .unwrap();
+        assert_eq!(mode.as_deref(), Some("verify-full"));
+        assert_eq!(root, Some(PathBuf::from("/etc/my ca.pem")));
     }
 
     #[test]
@@ -291,5 +312,14 @@ mod tests {
         assert!(
             mode("postgres://u@db/x?sslmode=verify-full&sslrootcert=/nonexistent.pem").is_err()
         );
+        assert_eq!(mode("postgres://u@db/x?sslmode=allow"), Ok(SslMode::Prefer));
+    }
+
+    #[test]
+    fn a_url_the_driver_refuses_is_explained() {
+        let error = postgres_config("postgres://u@db/x?sslmdoe=require")
+            .err()
+            .expect("an unknown parameter");
+        assert!(error.contains("sslmdoe"), "{error}");
     }
 }
