@@ -30,8 +30,7 @@ enum Verification {
 /// connector its `sslmode` and `sslrootcert` call for.
 pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, PostgresTls), String> {
     let (url, sslmode, rootcert) = take_tls_parameters(url)?;
-    let mut config: tokio_postgres::Config =
-        url.parse().map_err(|e| crate::error_chain(&e))?;
+    let mut config: tokio_postgres::Config = url.parse().map_err(|e| crate::error_chain(&e))?;
     let verification = match sslmode.as_deref() {
         None | Some("prefer") => {
             config.ssl_mode(SslMode::Prefer);
