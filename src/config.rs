@@ -1220,7 +1220,7 @@ mod tests {
         assert!(
             warnings
                 .iter()
-                .any(|w| w.starts_with("routes[2] (short).retention") && w.contains("3days")),
+                .any(|w| w.starts_with("routes[2] (short).retention") && w.contains("30days")),
             "{warnings:?}"
         );
         assert!(parse(ROUTE).unwrap().warnings().is_empty());

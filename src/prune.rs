@@ -238,7 +238,7 @@ routes:
                     sources: Sources::Only(vec!["repos".into()])
                 },
                 PruneGroup {
-                    older_than: 7 * DAY,
+                    older_than: 31 * DAY,
                     sources: Sources::Only(vec!["payments".into()])
                 },
                 PruneGroup {
