@@ -9,7 +9,7 @@ use tokio::process::{Child, Command};
 
 use crate::support::{Backend, TestStore, Upstream};
 
-const BINARY: &str = env!("CARGO_BIN_EXE_dedupe-proxy");
+pub const BINARY: &str = env!("CARGO_BIN_EXE_dedupe-proxy");
 
 /// The proxy binary, started with a configuration file.
 pub struct ProxyProcess {

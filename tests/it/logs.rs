@@ -152,3 +152,37 @@ async fn rust_log_wins_over_the_configured_log_level() {
     overridden.terminate();
     assert_eq!(webhook_lines(&overridden.all_log_lines().await), 1);
 }
+
+/// `--log-format text` gives human-readable lines, not JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_format_logs_plain_lines() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, config(&upstream, &store.url, "")).unwrap();
+    let mut child = tokio::process::Command::new(crate::cli::BINARY)
+        .args(["--log-format", "text", "--config"])
+        .arg(&path)
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let serving = async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if line.contains("dedupe-proxy serving") {
+                return line;
+            }
+        }
+        panic!("the binary exited before serving");
+    };
+    let line = tokio::time::timeout(std::time::Duration::from_secs(20), serving)
+        .await
+        .expect("serving line");
+    assert!(serde_json::from_str::<Value>(&line).is_err(), "{line}");
+    assert!(line.contains("INFO") && line.contains("listen="), "{line}");
+    child.kill().await.unwrap();
+}
