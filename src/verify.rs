@@ -61,7 +61,8 @@ pub enum Scheme {
     StandardWebhooks,
     /// `X-Slack-Signature: v0=<hex>`: HMAC-SHA256 of `v0:timestamp:body`.
     Slack,
-    /// An HMAC of the body alone in one header: GitHub, Shopify, custom.
+    /// One MAC in one header, of the body or of a payload around it and a
+    /// timestamp: GitHub, Shopify, custom.
     Body(BodyHmac),
 }
 
@@ -91,7 +92,7 @@ impl Scheme {
             Scheme::Stripe => stripe::verify(headers, body, secrets, tolerance, now),
             Scheme::StandardWebhooks => standard::verify(headers, body, secrets, tolerance, now),
             Scheme::Slack => slack::verify(headers, body, secrets, tolerance, now),
-            Scheme::Body(scheme) => scheme.verify(headers, body, secrets),
+            Scheme::Body(scheme) => scheme.verify(headers, body, secrets, tolerance, now),
         }
     }
 

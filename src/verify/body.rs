@@ -1,21 +1,28 @@
-//! Schemes that sign the body alone and send one MAC in one header: GitHub
-//! (`X-Hub-Signature-256: sha256=<hex>`), Shopify (`X-Shopify-Hmac-Sha256:
-//! <base64>`) and custom routes' `signature:` blocks. None of them signs a
-//! timestamp, so none can refuse a replay; the idempotency key does that.
+//! Schemes that send one MAC in one header: GitHub (`X-Hub-Signature-256:
+//! sha256=<hex>` of the body), Shopify (`X-Shopify-Hmac-Sha256: <base64>` of
+//! the body) and custom routes' `signature:` blocks, which sign the body or,
+//! with a timestamp header, a payload built around it (Zoom signs
+//! `v0:{timestamp}:{body}`). A scheme without a timestamp cannot refuse a
+//! replay; the idempotency key does that.
+
+use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 use hmac::Hmac;
 use http::{HeaderMap, HeaderName};
 use serde::{Deserialize, Serialize};
 
-use super::headers::{header, malformed};
+use super::headers::{check_timestamp, header, malformed};
 use super::{VerifyError, match_any};
 use crate::secret::Secret;
 
-/// A custom route's signature: one header holding an HMAC of the body.
+/// A custom route's signature: one header holding an HMAC of the body, or of
+/// a payload that also signs a timestamp header.
 ///
 /// ```yaml
 /// signature: { header: X-Signature, algorithm: hmac-sha256, encoding: hex, prefix: "sha256=" }
+/// signature: { header: x-zm-signature, algorithm: hmac-sha256, encoding: hex, prefix: "v0=",
+///              timestamp_header: x-zm-request-timestamp, signed_payload: "v0:{timestamp}:{body}" }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -30,6 +37,15 @@ pub struct SignatureConfig {
     /// is refused. Empty by default.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub prefix: String,
+    /// A request header holding the Unix time, in seconds, the sender signed
+    /// at: refused outside the route's `tolerance`, and signed through
+    /// `{timestamp}` in `signed_payload`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timestamp_header: Option<String>,
+    /// What the MAC is of: `{body}` (the default), with `{timestamp}` when
+    /// there is a `timestamp_header`, and any text around them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signed_payload: Option<String>,
 }
 
 /// The MAC of a body-signing scheme.
@@ -53,12 +69,59 @@ pub enum Encoding {
 }
 
 impl Algorithm {
-    fn mac(self, key: &[u8], body: &[u8]) -> Vec<u8> {
+    fn mac(self, key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
         match self {
-            Algorithm::HmacSha256 => super::mac::<Hmac<sha2::Sha256>>(key, &[body]),
-            Algorithm::HmacSha1 => super::mac::<Hmac<sha1::Sha1>>(key, &[body]),
+            Algorithm::HmacSha256 => super::mac::<Hmac<sha2::Sha256>>(key, parts),
+            Algorithm::HmacSha1 => super::mac::<Hmac<sha1::Sha1>>(key, parts),
         }
     }
+}
+
+/// One piece of a signed payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Text(String),
+    Timestamp,
+    Body,
+}
+
+/// Splits a `signed_payload` template into its pieces: exactly one `{body}`,
+/// at most one `{timestamp}`, no other `{`.
+fn signed_payload(template: &str) -> Result<Vec<Piece>, String> {
+    let mut pieces = Vec::new();
+    let mut text = String::new();
+    let mut rest = template;
+    while let Some(next) = rest.chars().next() {
+        let placeholder = [("{body}", Piece::Body), ("{timestamp}", Piece::Timestamp)]
+            .into_iter()
+            .find(|(name, _)| rest.starts_with(name));
+        match placeholder {
+            Some((name, piece)) => {
+                if !text.is_empty() {
+                    pieces.push(Piece::Text(std::mem::take(&mut text)));
+                }
+                if pieces.contains(&piece) {
+                    return Err(format!("`{name}` appears more than once"));
+                }
+                pieces.push(piece);
+                rest = &rest[name.len()..];
+            }
+            None if next == '{' => {
+                return Err("only `{body}` and `{timestamp}` may appear between braces".into());
+            }
+            None => {
+                text.push(next);
+                rest = &rest[next.len_utf8()..];
+            }
+        }
+    }
+    if !text.is_empty() {
+        pieces.push(Piece::Text(text));
+    }
+    if !pieces.contains(&Piece::Body) {
+        return Err("must contain `{body}`".into());
+    }
+    Ok(pieces)
 }
 
 impl Encoding {
@@ -71,13 +134,15 @@ impl Encoding {
     }
 }
 
-/// A validated body-signing scheme.
+/// A validated one-header MAC scheme.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BodyHmac {
     header: HeaderName,
     algorithm: Algorithm,
     encoding: Encoding,
     prefix: String,
+    timestamp: Option<HeaderName>,
+    payload: Vec<Piece>,
 }
 
 impl BodyHmac {
@@ -88,6 +153,8 @@ impl BodyHmac {
             algorithm: Algorithm::HmacSha256,
             encoding: Encoding::Hex,
             prefix: "sha256=".into(),
+            timestamp: None,
+            payload: vec![Piece::Body],
         }
     }
 
@@ -98,18 +165,43 @@ impl BodyHmac {
             algorithm: Algorithm::HmacSha256,
             encoding: Encoding::Base64,
             prefix: String::new(),
+            timestamp: None,
+            payload: vec![Piece::Body],
         }
     }
 
     /// Validates a route's `signature:` block.
     pub fn from_config(config: &SignatureConfig) -> Result<Self, String> {
-        let header = HeaderName::try_from(config.header.as_str())
-            .map_err(|_| format!("`{}` is not a valid header name", config.header))?;
+        let header_name = |name: &str| {
+            HeaderName::try_from(name).map_err(|_| format!("`{name}` is not a valid header name"))
+        };
+        let header = header_name(&config.header)?;
+        let timestamp = config
+            .timestamp_header
+            .as_deref()
+            .map(header_name)
+            .transpose()?;
+        let payload = signed_payload(config.signed_payload.as_deref().unwrap_or("{body}"))
+            .map_err(|problem| format!("signed_payload: {problem}"))?;
+        match (&timestamp, payload.contains(&Piece::Timestamp)) {
+            (Some(_), false) => {
+                return Err(
+                    "timestamp_header: the timestamp must be signed: put `{timestamp}` in signed_payload"
+                        .into(),
+                );
+            }
+            (None, true) => {
+                return Err("signed_payload: `{timestamp}` needs a timestamp_header".into());
+            }
+            _ => {}
+        }
         Ok(Self {
             header,
             algorithm: config.algorithm,
             encoding: config.encoding,
             prefix: config.prefix.clone(),
+            timestamp,
+            payload,
         })
     }
 
@@ -123,15 +215,33 @@ impl BodyHmac {
         headers: &HeaderMap,
         body: &[u8],
         secrets: &[Secret],
+        tolerance: Duration,
+        now: SystemTime,
     ) -> Result<(), VerifyError> {
+        let timestamp = match &self.timestamp {
+            Some(name) => header(headers, name)?,
+            None => "",
+        };
         let value = header(headers, &self.header)?;
         let signature = value
             .strip_prefix(self.prefix.as_str())
             .and_then(|encoded| self.encoding.decode(encoded))
             .filter(|signature| !signature.is_empty())
             .ok_or_else(|| malformed(&self.header))?;
+        if let Some(name) = &self.timestamp {
+            check_timestamp(timestamp, name, tolerance, now)?;
+        }
+        let parts: Vec<&[u8]> = self
+            .payload
+            .iter()
+            .map(|piece| match piece {
+                Piece::Text(text) => text.as_bytes(),
+                Piece::Timestamp => timestamp.as_bytes(),
+                Piece::Body => body,
+            })
+            .collect();
         match_any(secrets, &[signature], |secret| {
-            Some(self.algorithm.mac(secret.expose(), body))
+            Some(self.algorithm.mac(secret.expose(), &parts))
         })
     }
 }
@@ -163,7 +273,7 @@ mod tests {
         body: &[u8],
         keys: &[&str],
     ) -> Result<(), VerifyError> {
-        let tolerance = std::time::Duration::ZERO;
+        let tolerance = Duration::ZERO;
         scheme.check(&headers(pairs), body, &secrets(keys), tolerance, at(0))
     }
 
@@ -322,6 +432,85 @@ mod tests {
             check(&scheme, &signed, b"payload", &["wrong"]),
             Err(VerifyError::NoMatch)
         );
+    }
+
+    // Zoom's scheme, as its docs describe it: `x-zm-signature: v0=<hex>` of
+    // `v0:{x-zm-request-timestamp}:{body}`. Python:
+    // hmac.new(SECRET, b"v0:1700000000:" + BODY, hashlib.sha256).hexdigest()
+    const ZOOM: &str =
+        "{ header: x-zm-signature, algorithm: hmac-sha256, encoding: hex, prefix: 'v0=',
+        timestamp_header: x-zm-request-timestamp, signed_payload: 'v0:{timestamp}:{body}' }";
+    const ZOOM_SECRET: &str = "zoom-secret-token";
+    const ZOOM_BODY: &[u8] = br#"{"event":"endpoint.url_validation","payload":{"plainToken":"qgg8vlvZRS6UYooatFL8Aw"},"event_ts":1700000000000}"#;
+    const ZOOM_SIGNATURE: &str =
+        "v0=6df24cfb3e6a961b21f62d3f0e9f0d035ff0e516dcb8be598780ed33270601be";
+
+    #[test]
+    fn custom_timestamped_payload_known_answer_tolerance_and_tampering() {
+        let scheme = custom(ZOOM);
+        let tolerance = Duration::from_secs(300);
+        let zoom = |timestamp: &str, body: &[u8], now: u64| {
+            let request = headers(&[
+                ("x-zm-request-timestamp", timestamp),
+                ("x-zm-signature", ZOOM_SIGNATURE),
+            ]);
+            scheme.check(&request, body, &secrets(&[ZOOM_SECRET]), tolerance, at(now))
+        };
+        assert_eq!(zoom("1700000000", ZOOM_BODY, 1_700_000_000), Ok(()));
+        assert_eq!(zoom("1700000000", ZOOM_BODY, 1_700_000_299), Ok(()));
+        assert_eq!(
+            zoom("1700000000", ZOOM_BODY, 1_700_000_301),
+            Err(VerifyError::OutsideTolerance)
+        );
+        assert_eq!(
+            zoom("1700000000", ZOOM_BODY, 1_699_999_699),
+            Err(VerifyError::OutsideTolerance)
+        );
+        assert_eq!(
+            zoom("1700000001", ZOOM_BODY, 1_700_000_000),
+            Err(VerifyError::NoMatch),
+            "the timestamp is signed"
+        );
+        assert_eq!(
+            zoom("1700000000", b"{}", 1_700_000_000),
+            Err(VerifyError::NoMatch)
+        );
+        let valid = headers(&[
+            ("x-zm-request-timestamp", "1700000000"),
+            ("x-zm-signature", ZOOM_SIGNATURE),
+        ]);
+        let names = ["x-zm-request-timestamp", "x-zm-signature"];
+        let keys = secrets(&[ZOOM_SECRET]);
+        requires_headers(&scheme, &valid, &names, ZOOM_BODY, &keys, at(1_700_000_000));
+        refuses_hostile_values(&scheme, &valid, &names, ZOOM_BODY, &keys, at(1_700_000_000));
+    }
+
+    #[test]
+    fn signed_payload_templates_are_checked() {
+        let build = |extra: &str| {
+            let yaml = format!("{{ header: X, algorithm: hmac-sha256, encoding: hex{extra} }}");
+            let config: SignatureConfig = serde_yaml::from_str(&yaml).unwrap();
+            BodyHmac::from_config(&config)
+        };
+        assert!(build("").is_ok());
+        assert!(build(", signed_payload: 'raw:{body}'").is_ok());
+        for (extra, problem) in [
+            (", signed_payload: 'v0:{timestamp}'", "{body}"),
+            (", signed_payload: '{body}{body}'", "more than once"),
+            (", signed_payload: '{id}.{body}'", "between braces"),
+            (
+                ", signed_payload: '{timestamp}.{body}'",
+                "needs a timestamp_header",
+            ),
+            (", timestamp_header: X-Ts", "must be signed"),
+            (
+                ", timestamp_header: 'bad header', signed_payload: '{timestamp}{body}'",
+                "bad header",
+            ),
+        ] {
+            let error = build(extra).unwrap_err();
+            assert!(error.contains(problem), "{extra}: {error}");
+        }
     }
 
     #[test]

@@ -22,6 +22,7 @@ on_both_stores!(
     every_preset_accepts_its_own_signature_and_rejects_another_secret,
     slack_url_verification_is_forwarded_without_a_claim,
     a_custom_signature_scheme_is_verified,
+    a_zoom_route_verifies_its_timestamped_signature_and_handshake,
 );
 
 const STRIPE_SECRET: &str = "whsec_test_primary";
@@ -66,6 +67,7 @@ async fn app(backend: Backend) -> TestApp {
 - {{ name: shopify, path: /webhooks/shopify, provider: shopify, secrets: [{{ value: shop-secret }}] }}
 - {{ name: slack, path: /slack/events, provider: slack, secrets: [{{ value: slack-secret }}] }}
 - {{ name: partner, path: /hooks/partner, key: {{ header: X-Partner-Event }}, signature: {{ header: X-Partner-Signature, algorithm: hmac-sha256, encoding: base64, prefix: "v2:" }}, secrets: [{{ value: partner-secret }}] }}
+- {{ name: zoom, path: /webhooks/zoom, key: {{ json: /payload/object/uuid }}, signature: {{ header: x-zm-signature, algorithm: hmac-sha256, encoding: hex, prefix: "v0=", timestamp_header: x-zm-request-timestamp, signed_payload: "v0:{{timestamp}}:{{body}}" }}, handshakes: [{{ json: /event, equals: endpoint.url_validation }}], secrets: [{{ value: zoom-secret }}] }}
 "#
             ),
         );
@@ -416,4 +418,49 @@ async fn a_custom_signature_scheme_is_verified(backend: Backend) {
         .await;
     assert_eq!(bad.status, 401);
     assert_eq!(app.upstream.count(), 1);
+}
+
+/// Zoom signs `v0:{x-zm-request-timestamp}:{body}`: a custom signature with a
+/// timestamp header verifies it, the URL validation handshake included.
+async fn a_zoom_route_verifies_its_timestamped_signature_and_handshake(backend: Backend) {
+    let app = app(backend).await;
+    let zoom = |body: &str, timestamp: i64, secret: &[u8]| {
+        let signed = format!("v0:{timestamp}:{body}");
+        let signature = format!("v0={}", hex::encode(hmac256(secret, signed.as_bytes())));
+        [
+            ("x-zm-request-timestamp".to_string(), timestamp.to_string()),
+            ("x-zm-signature".to_string(), signature),
+        ]
+    };
+    let post = |body: &'static str, headers: [(String, String); 2]| {
+        let app = &app;
+        async move {
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_str()))
+                .collect();
+            app.post("/webhooks/zoom", &headers, body).await
+        }
+    };
+    let handshake = r#"{"event":"endpoint.url_validation","payload":{"plainToken":"qgg8vlvZRS6UYooatFL8Aw"},"event_ts":1700000000000}"#;
+    let answered = post(handshake, zoom(handshake, now(), b"zoom-secret")).await;
+    assert_eq!((answered.status, answered.outcome()), (200, "passthrough"));
+    let event =
+        r#"{"event":"meeting.ended","payload":{"object":{"uuid":"m-1"}},"event_ts":1700000000001}"#;
+    let first = post(event, zoom(event, now(), b"zoom-secret")).await;
+    assert_eq!(first.outcome(), "forwarded");
+    let again = post(event, zoom(event, now(), b"zoom-secret")).await;
+    assert_eq!(again.outcome(), "duplicate");
+    for (headers, why) in [
+        (zoom(handshake, now(), b"other-secret"), "another secret"),
+        (
+            zoom(handshake, now() - 600, b"zoom-secret"),
+            "a stale timestamp",
+        ),
+    ] {
+        let refused = post(handshake, headers).await;
+        assert_eq!(refused.status, 401, "{why}");
+    }
+    assert_eq!(app.upstream.count(), 2);
+    assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
 }
