@@ -10,7 +10,7 @@ use dedupe_proxy::verify::{Algorithm, BodyHmac, Encoding, Scheme, SignatureConfi
 use http::{HeaderMap, HeaderName, HeaderValue};
 use libfuzzer_sys::fuzz_target;
 
-const HEADERS: [&str; 10] = [
+const HEADERS: [&str; 11] = [
     "stripe-signature",
     "webhook-id",
     "webhook-timestamp",
@@ -21,6 +21,7 @@ const HEADERS: [&str; 10] = [
     "x-hub-signature-256",
     "x-shopify-hmac-sha256",
     "x-custom-signature",
+    "x-custom-timestamp",
 ];
 
 fuzz_target!(|input: (Vec<(u8, Vec<u8>)>, &[u8], u32)| {
@@ -37,6 +38,16 @@ fuzz_target!(|input: (Vec<(u8, Vec<u8>)>, &[u8], u32)| {
         algorithm: Algorithm::HmacSha1,
         encoding: Encoding::Base64,
         prefix: "sha1=".into(),
+        timestamp_header: None,
+        signed_payload: None,
+    };
+    let timestamped = SignatureConfig {
+        header: "x-custom-signature".into(),
+        algorithm: Algorithm::HmacSha256,
+        encoding: Encoding::Hex,
+        prefix: "v0=".into(),
+        timestamp_header: Some("x-custom-timestamp".into()),
+        signed_payload: Some("v0:{timestamp}:{body}".into()),
     };
     let schemes = [
         Scheme::Stripe,
@@ -45,6 +56,7 @@ fuzz_target!(|input: (Vec<(u8, Vec<u8>)>, &[u8], u32)| {
         Scheme::github(),
         Scheme::shopify(),
         Scheme::Body(BodyHmac::from_config(&custom).expect("valid scheme")),
+        Scheme::Body(BodyHmac::from_config(&timestamped).expect("valid scheme")),
     ];
     let secrets = [Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")];
     let now = UNIX_EPOCH + Duration::from_secs(u64::from(clock));
