@@ -284,6 +284,19 @@ impl Proxy {
             }
         };
         trace.key = Some(key.clone());
+        // Our own claim on the key has an outcome the store has not taken yet
+        // (it was down): past the claim's lease the store would hand the key
+        // to this retry, and the event would be forwarded again.
+        if self.open_claims.has_unwritten_outcome(&route.name, &key) {
+            let in_flight = Claim::InFlight {
+                payload_mismatch: false,
+            };
+            self.count_claim(route, &key, &in_flight);
+            return Decision::Answer(Answer::InFlight(
+                route.in_flight_status,
+                route.in_flight_retry_after,
+            ));
+        }
         let request = ClaimRequest {
             source: Arc::clone(&route.name),
             key,

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
@@ -73,6 +73,7 @@ pub struct Application {
     pruner: Pruner,
     prune_interval: Duration,
     migrate: bool,
+    shutdown_grace: Duration,
 }
 
 impl Application {
@@ -121,6 +122,7 @@ impl Application {
             pruner,
             prune_interval: config.store.prune_interval,
             migrate: config.store.migrate,
+            shutdown_grace: config.shutdown_grace,
         })
     }
 
@@ -157,18 +159,20 @@ impl Application {
             tokio::spawn(reload_on_sighup(reloader, stop.clone()));
         }
         self.serving.accept(self.webhook_listener, &stop).await;
+        let deadline = Instant::now() + self.shutdown_grace;
         let drained = self.serving.drain().await;
         let open = self.proxy.open_claims().len();
         if open > 0 {
-            let settled = self
+            let settles = self
                 .proxy
                 .open_claims()
-                .settle_all(self.proxy.store())
+                .settle_all(self.proxy.store(), deadline)
                 .await;
             tracing::warn!(
                 open,
-                settled,
-                "grace period ended with claims open; they were released"
+                written = settles.written,
+                unwritten = settles.unwritten,
+                "claims still open at shutdown: known outcomes written, the rest released"
             );
         }
         drained.release().await;

@@ -1,13 +1,18 @@
-//! Claims this process has won and not yet settled. Shutdown settles what is
-//! left: the known outcome when the upstream answered but the write failed,
-//! otherwise `failed`, so senders' retries go through at once instead of
-//! waiting for the lease.
+//! Claims this process has won and not yet settled. While one has an outcome
+//! the store has not taken yet (it was down), its key is not claimed again by
+//! this process: past the lease the store would hand the key to a retry. Shutdown settles what is left: the known outcome when the
+//! upstream answered but the write failed, otherwise `failed`, so senders'
+//! retries go through at once instead of waiting for the lease.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::store::{Settlement, Store};
+
+/// The longest pause between shutdown's tries to write what is left.
+const SHUTDOWN_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
 
 /// One won, unsettled claim.
 #[derive(Debug, Clone)]
@@ -26,7 +31,58 @@ pub struct OpenClaim {
 #[derive(Default)]
 pub struct OpenClaims {
     next_id: AtomicU64,
-    claims: Mutex<HashMap<u64, OpenClaim>>,
+    registry: Mutex<Registry>,
+}
+
+#[derive(Default)]
+struct Registry {
+    claims: HashMap<u64, OpenClaim>,
+    /// How many open claims with a known outcome each key (by route) has.
+    decided: HashMap<Arc<str>, HashMap<String, usize>>,
+}
+
+impl Registry {
+    fn set_outcome(&mut self, id: u64, outcome: Settlement) {
+        let Some(claim) = self.claims.get_mut(&id) else {
+            return;
+        };
+        if claim.outcome.replace(outcome).is_none() {
+            *self
+                .decided
+                .entry(Arc::clone(&claim.source))
+                .or_default()
+                .entry(claim.key.clone())
+                .or_default() += 1;
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<OpenClaim> {
+        let claim = self.claims.remove(&id)?;
+        if claim.outcome.is_none() {
+            return Some(claim);
+        }
+        if let Some(keys) = self.decided.get_mut(&claim.source) {
+            if let Some(count) = keys.get_mut(&claim.key) {
+                *count -= 1;
+                if *count == 0 {
+                    keys.remove(&claim.key);
+                }
+            }
+            if keys.is_empty() {
+                self.decided.remove(&claim.source);
+            }
+        }
+        Some(claim)
+    }
+}
+
+/// What shutdown's final settles did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinalSettles {
+    /// Written: the known outcome, or released.
+    pub written: usize,
+    /// Left to their leases: the store did not take them before the deadline.
+    pub unwritten: usize,
 }
 
 /// Keeps a claim registered until dropped.
@@ -37,9 +93,15 @@ pub struct ClaimGuard {
 
 impl OpenClaims {
     /// Registers a won claim until the guard is dropped.
-    pub fn register(self: &Arc<Self>, claim: OpenClaim) -> ClaimGuard {
+    pub fn register(self: &Arc<Self>, mut claim: OpenClaim) -> ClaimGuard {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(id, claim);
+        let outcome = claim.outcome.take();
+        let mut registry = self.lock();
+        registry.claims.insert(id, claim);
+        if let Some(outcome) = outcome {
+            registry.set_outcome(id, outcome);
+        }
+        drop(registry);
         ClaimGuard {
             registry: Arc::clone(self),
             id,
@@ -48,7 +110,16 @@ impl OpenClaims {
 
     /// How many claims are open.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().claims.len()
+    }
+
+    /// Whether this process holds a claim on `key` of `source` whose
+    /// outcome is known but not yet written.
+    pub fn has_unwritten_outcome(&self, source: &str, key: &str) -> bool {
+        self.lock()
+            .decided
+            .get(source)
+            .is_some_and(|keys| keys.contains_key(key))
     }
 
     /// Whether no claim is open.
@@ -56,35 +127,58 @@ impl OpenClaims {
         self.len() == 0
     }
 
-    /// Settles every open claim: its known outcome, or released. Returns how
-    /// many were settled by this call.
-    pub async fn settle_all(&self, store: &Store) -> usize {
-        let claims: Vec<OpenClaim> = self.lock().drain().map(|(_, claim)| claim).collect();
-        let mut settled = 0;
-        for claim in claims {
-            let settlement = claim.outcome.unwrap_or(Settlement::RELEASED);
-            match store
-                .settle(&claim.source, &claim.key, claim.attempt, settlement)
-                .await
-            {
-                Ok(true) => settled += 1,
-                Ok(false) => {}
-                Err(error) => tracing::error!(
-                    route = &*claim.source,
-                    key = %claim.key,
-                    attempt = claim.attempt,
-                    %error,
-                    "could not release the claim at shutdown; it is reclaimable when its lease expires"
-                ),
+    /// Settles every open claim: its known outcome, or released. A write the
+    /// store fails is tried again, at most a second apart, until `deadline`;
+    /// past it the claim is left to its lease.
+    pub async fn settle_all(&self, store: &Store, deadline: Instant) -> FinalSettles {
+        let mut pending: Vec<OpenClaim> = {
+            let mut registry = self.lock();
+            let ids: Vec<u64> = registry.claims.keys().copied().collect();
+            ids.into_iter()
+                .filter_map(|id| registry.remove(id))
+                .collect()
+        };
+        let mut written = 0;
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let mut failed = Vec::new();
+            for claim in pending {
+                let settlement = claim.outcome.unwrap_or(Settlement::RELEASED);
+                match store
+                    .settle(&claim.source, &claim.key, claim.attempt, settlement)
+                    .await
+                {
+                    Ok(true) => written += 1,
+                    // Written by an earlier try, or taken over: nothing left.
+                    Ok(false) => {}
+                    Err(error) => failed.push((claim, error)),
+                }
             }
+            if failed.is_empty() || Instant::now() + delay >= deadline {
+                for (claim, error) in &failed {
+                    tracing::error!(
+                        route = &*claim.source,
+                        key = %claim.key,
+                        attempt = claim.attempt,
+                        %error,
+                        "could not settle the claim by the end of the grace period; it is reclaimable when its lease expires"
+                    );
+                }
+                return FinalSettles {
+                    written,
+                    unwritten: failed.len(),
+                };
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(SHUTDOWN_RETRY_MAX_DELAY);
+            pending = failed.into_iter().map(|(claim, _)| claim).collect();
         }
-        settled
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, OpenClaim>> {
-        // A panic elsewhere cannot leave the map inconsistent: every critical
-        // section is one map operation.
-        self.claims
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
+        // A panic elsewhere cannot leave the maps inconsistent: no critical
+        // section can panic between its updates of the two.
+        self.registry
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -94,14 +188,48 @@ impl ClaimGuard {
     /// Records the upstream's outcome, so shutdown writes it rather than
     /// releasing the claim.
     pub fn set_outcome(&self, outcome: Settlement) {
-        if let Some(claim) = self.registry.lock().get_mut(&self.id) {
-            claim.outcome = Some(outcome);
-        }
+        self.registry.lock().set_outcome(self.id, outcome);
     }
 }
 
 impl Drop for ClaimGuard {
     fn drop(&mut self) {
-        self.registry.lock().remove(&self.id);
+        self.registry.lock().remove(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(key: &str) -> OpenClaim {
+        OpenClaim {
+            source: Arc::from("orders"),
+            key: key.into(),
+            attempt: 1,
+            outcome: None,
+        }
+    }
+
+    #[test]
+    fn a_key_has_an_unwritten_outcome_from_its_outcome_until_its_last_guard_drops() {
+        let claims = Arc::new(OpenClaims::default());
+        let first = claims.register(claim("k"));
+        let second = claims.register(claim("k"));
+        assert!(
+            !claims.has_unwritten_outcome("orders", "k"),
+            "at the upstream"
+        );
+        first.set_outcome(Settlement::RELEASED);
+        first.set_outcome(Settlement::RELEASED);
+        second.set_outcome(Settlement::RELEASED);
+        assert!(claims.has_unwritten_outcome("orders", "k"));
+        assert!(!claims.has_unwritten_outcome("orders", "other"));
+        assert!(!claims.has_unwritten_outcome("other", "k"));
+        drop(first);
+        assert!(claims.has_unwritten_outcome("orders", "k"));
+        drop(second);
+        assert!(!claims.has_unwritten_outcome("orders", "k"));
+        assert!(claims.is_empty());
     }
 }

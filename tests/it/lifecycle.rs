@@ -17,6 +17,7 @@ on_both_stores!(
     in_shadow_mode_a_claim_won_too_late_is_released_and_the_delivery_forwarded,
     a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim,
     readyz_answers_503_while_the_claims_table_is_missing,
+    an_outcome_the_store_has_not_taken_keeps_its_key_from_a_second_forward,
 );
 
 /// Makes the store unavailable to the proxy and back: a relay cut for
@@ -569,4 +570,82 @@ async fn an_idle_keep_alive_connection_is_closed_when_shutdown_begins() {
         .await
         .expect("the idle connection is closed");
     assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+}
+
+/// The upstream answered while the store was down, so the outcome waits to
+/// be written; the lease expires meanwhile. When the store is back, the
+/// sender's retry must not be forwarded again, whether or not the
+/// background write has landed yet.
+async fn an_outcome_the_store_has_not_taken_keeps_its_key_from_a_second_forward(backend: Backend) {
+    const LEASE: Duration = Duration::from_secs(3);
+    let store = Arc::new(TestStore::new(backend).await);
+    let (mut outage, url) = Outage::prepare(backend, &store).await;
+    let app = TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.url = url;
+        config.store.lease = LEASE;
+    })
+    .await;
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_lost", [Behavior::Gate(Arc::clone(&gate))]);
+    let (first, ()) = tokio::join!(app.deliver("evt_lost", "{}"), async {
+        app.upstream.wait_for(1).await;
+        outage.begin().await;
+        gate.open();
+    });
+    assert_eq!((first.status, first.outcome()), (200, "forwarded"));
+    // The claim's lease runs out while its outcome cannot be written.
+    tokio::time::sleep(LEASE).await;
+    outage.end();
+    let retry = app.deliver("evt_lost", "{}").await;
+    assert_ne!(retry.outcome(), "forwarded", "{retry:?}");
+    let settled = async {
+        loop {
+            let again = app.deliver("evt_lost", "{}").await;
+            if again.outcome() == "duplicate" {
+                return;
+            }
+            assert_eq!(again.outcome(), "in-flight", "{again:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), settled)
+        .await
+        .expect("the outcome was written");
+    assert_eq!(app.upstream.count(), 1);
+}
+
+/// A known outcome the store could not take is written at shutdown once the
+/// store is back, as long as that is within the grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_keeps_trying_to_write_known_outcomes_until_the_grace_ends() {
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let relay = Relay::start(store.postgres_addr(), true).await;
+    let url = store.url_via(relay.addr);
+    let mut app = TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.url = url;
+        config.shutdown_grace = Duration::from_secs(20);
+    })
+    .await;
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_term", [Behavior::Gate(Arc::clone(&gate))]);
+    let (first, ()) = tokio::join!(app.deliver("evt_term", "{}"), async {
+        app.upstream.wait_for(1).await;
+        relay.cut().await;
+        gate.open();
+    });
+    assert_eq!(first.outcome(), "forwarded");
+    let refused = relay.refusals();
+    app.begin_shutdown();
+    // Shutdown has tried to write the outcome and found the store down.
+    relay.wait_for_refusal(refused).await;
+    relay.restore();
+    app.shutdown().await;
+    let after = TestApp::spawn_on(store, Upstream::start().await, |_| {}).await;
+    assert_eq!(
+        after.deliver("evt_term", "{}").await.outcome(),
+        "duplicate",
+        "the outcome was written before exit"
+    );
 }

@@ -447,6 +447,7 @@ pub struct Relay {
     pub addr: SocketAddr,
     up: watch::Sender<bool>,
     open_connections: Arc<AtomicU64>,
+    refused: watch::Sender<u64>,
 }
 
 impl Relay {
@@ -457,6 +458,8 @@ impl Relay {
         let state = up.subscribe();
         let open_connections = Arc::new(AtomicU64::new(0));
         let open = Arc::clone(&open_connections);
+        let refused = watch::Sender::new(0);
+        let refusals = refused.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
@@ -465,6 +468,7 @@ impl Relay {
                 let mut state = state.clone();
                 if !*state.borrow_and_update() {
                     drop(inbound);
+                    refusals.send_modify(|count| *count += 1);
                     continue;
                 }
                 open.fetch_add(1, Ordering::SeqCst);
@@ -484,7 +488,23 @@ impl Relay {
             addr,
             up,
             open_connections,
+            refused,
         }
+    }
+
+    /// Waits until a connection is refused while the relay is cut: someone
+    /// tried to reach the store after `since` refusals.
+    pub async fn wait_for_refusal(&self, since: u64) {
+        let mut refused = self.refused.subscribe();
+        tokio::time::timeout(Duration::from_secs(10), refused.wait_for(|n| *n > since))
+            .await
+            .expect("a connection attempt while cut")
+            .unwrap();
+    }
+
+    /// Connections refused so far.
+    pub fn refusals(&self) -> u64 {
+        *self.refused.borrow()
     }
 
     /// Closes every relayed connection and refuses new ones; returns once
