@@ -154,7 +154,7 @@ fn scheme(provider: Provider) -> Scheme {
         Provider::Github => Scheme::github(),
         Provider::StandardWebhooks => Scheme::StandardWebhooks,
         Provider::Shopify => Scheme::shopify(),
-        Provider::Slack => Scheme::Slack,
+        Provider::Slack => Scheme::slack(),
     }
 }
 
@@ -312,7 +312,7 @@ mod tests {
             Scheme::github(),
             Scheme::StandardWebhooks,
             Scheme::shopify(),
-            Scheme::Slack,
+            Scheme::slack(),
         ];
         for (provider, scheme) in Provider::ALL.into_iter().zip(expected) {
             assert_eq!(provider.preset().scheme, scheme, "{provider}");

@@ -52,7 +52,7 @@ fuzz_target!(|input: (Vec<(u8, Vec<u8>)>, &[u8], u32)| {
     let schemes = [
         Scheme::Stripe,
         Scheme::StandardWebhooks,
-        Scheme::Slack,
+        Scheme::slack(),
         Scheme::github(),
         Scheme::shopify(),
         Scheme::Body(BodyHmac::from_config(&custom).expect("valid scheme")),

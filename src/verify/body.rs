@@ -1,8 +1,9 @@
 //! Schemes that send one MAC in one header: GitHub (`X-Hub-Signature-256:
 //! sha256=<hex>` of the body), Shopify (`X-Shopify-Hmac-Sha256: <base64>` of
-//! the body) and custom routes' `signature:` blocks, which sign the body or,
-//! with a timestamp header, a payload built around it (Zoom signs
-//! `v0:{timestamp}:{body}`). A scheme without a timestamp cannot refuse a
+//! the body), Slack (`X-Slack-Signature: v0=<hex>` of
+//! `v0:{timestamp}:{body}`) and custom routes' `signature:` blocks, which
+//! sign the body or, with a timestamp header, a payload built around it (Zoom
+//! signs as Slack does, in its own headers). A scheme without a timestamp cannot refuse a
 //! replay; the idempotency key does that.
 
 use std::time::{Duration, SystemTime};
@@ -167,6 +168,24 @@ impl BodyHmac {
             prefix: String::new(),
             timestamp: None,
             payload: vec![Piece::Body],
+        }
+    }
+
+    /// Slack: `X-Slack-Signature: v0=<hex HMAC-SHA256 of v0:ts:body>`, where
+    /// `ts` is `X-Slack-Request-Timestamp`.
+    pub fn slack() -> Self {
+        Self {
+            header: HeaderName::from_static("x-slack-signature"),
+            algorithm: Algorithm::HmacSha256,
+            encoding: Encoding::Hex,
+            prefix: "v0=".into(),
+            timestamp: Some(HeaderName::from_static("x-slack-request-timestamp")),
+            payload: vec![
+                Piece::Text("v0:".into()),
+                Piece::Timestamp,
+                Piece::Text(":".into()),
+                Piece::Body,
+            ],
         }
     }
 
