@@ -31,7 +31,8 @@ use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store, WonFro
 use crate::upstream::{DedupeHeaders, Peer, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
 
-/// The longest pause between background retries of a settle.
+/// The longest pause between retries of a settle, in the background and at
+/// shutdown.
 const SETTLE_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
 /// The longest a settle is retried, whatever the retention.
 const SETTLE_RETRY_HORIZON: Duration = Duration::from_secs(30 * 86400);

@@ -1,18 +1,17 @@
 //! Claims this process has won and not yet settled. While one has an outcome
 //! the store has not taken yet (it was down), its key is not claimed again by
-//! this process: past the lease the store would hand the key to a retry. Shutdown settles what is left: the known outcome when the
-//! upstream answered but the write failed, otherwise `failed`, so senders'
-//! retries go through at once instead of waiting for the lease.
+//! this process: past the lease the store would hand the key to a retry.
+//! Shutdown settles what is left: the known outcome when the upstream
+//! answered but the write failed, otherwise `failed`, so senders' retries go
+//! through at once instead of waiting for the lease.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::SETTLE_RETRY_MAX_DELAY;
 use crate::store::{Settlement, Store};
-
-/// The longest pause between shutdown's tries to write what is left.
-const SHUTDOWN_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
 
 /// One won, unsettled claim.
 #[derive(Debug, Clone)]
@@ -92,16 +91,15 @@ pub struct ClaimGuard {
 }
 
 impl OpenClaims {
-    /// Registers a won claim until the guard is dropped.
-    pub fn register(self: &Arc<Self>, mut claim: OpenClaim) -> ClaimGuard {
+    /// Registers a won claim until the guard is dropped. Its outcome comes
+    /// later, through the guard.
+    pub fn register(self: &Arc<Self>, claim: OpenClaim) -> ClaimGuard {
+        debug_assert!(
+            claim.outcome.is_none(),
+            "outcomes are set through the guard"
+        );
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let outcome = claim.outcome.take();
-        let mut registry = self.lock();
-        registry.claims.insert(id, claim);
-        if let Some(outcome) = outcome {
-            registry.set_outcome(id, outcome);
-        }
-        drop(registry);
+        self.lock().claims.insert(id, claim);
         ClaimGuard {
             registry: Arc::clone(self),
             id,
@@ -131,13 +129,8 @@ impl OpenClaims {
     /// store fails is tried again, at most a second apart, until `deadline`;
     /// past it the claim is left to its lease.
     pub async fn settle_all(&self, store: &Store, deadline: Instant) -> FinalSettles {
-        let mut pending: Vec<OpenClaim> = {
-            let mut registry = self.lock();
-            let ids: Vec<u64> = registry.claims.keys().copied().collect();
-            ids.into_iter()
-                .filter_map(|id| registry.remove(id))
-                .collect()
-        };
+        let registry = std::mem::take(&mut *self.lock());
+        let mut pending: Vec<OpenClaim> = registry.claims.into_values().collect();
         let mut written = 0;
         let mut delay = Duration::from_millis(100);
         loop {
@@ -170,7 +163,7 @@ impl OpenClaims {
                 };
             }
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(SHUTDOWN_RETRY_MAX_DELAY);
+            delay = (delay * 2).min(SETTLE_RETRY_MAX_DELAY);
             pending = failed.into_iter().map(|(claim, _)| claim).collect();
         }
     }
