@@ -495,9 +495,16 @@ async fn a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim(backen
     );
     // Once the claim commits, the webhook is forwarded and settled anyway.
     app.upstream.wait_for(1).await;
+    redelivered_until_duplicate(&app, "evt_gone").await;
+    assert_eq!(app.upstream.count(), 1);
+}
+
+/// Delivers `key` again until it is answered `duplicate` (its outcome was
+/// written), every answer before that being `in-flight`, never forwarded.
+async fn redelivered_until_duplicate(app: &TestApp, key: &str) {
     let settled = async {
         loop {
-            let again = app.deliver("evt_gone", "{}").await;
+            let again = app.deliver(key, "{}").await;
             if again.outcome() == "duplicate" {
                 return;
             }
@@ -507,8 +514,7 @@ async fn a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim(backen
     };
     tokio::time::timeout(Duration::from_secs(10), settled)
         .await
-        .expect("the orphaned claim was settled");
-    assert_eq!(app.upstream.count(), 1);
+        .expect("the outcome was written");
 }
 
 /// A proxy that, in shutdown, would wait a minute for a connection that it
@@ -599,19 +605,7 @@ async fn an_outcome_the_store_has_not_taken_keeps_its_key_from_a_second_forward(
     outage.end();
     let retry = app.deliver("evt_lost", "{}").await;
     assert_ne!(retry.outcome(), "forwarded", "{retry:?}");
-    let settled = async {
-        loop {
-            let again = app.deliver("evt_lost", "{}").await;
-            if again.outcome() == "duplicate" {
-                return;
-            }
-            assert_eq!(again.outcome(), "in-flight", "{again:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), settled)
-        .await
-        .expect("the outcome was written");
+    redelivered_until_duplicate(&app, "evt_lost").await;
     assert_eq!(app.upstream.count(), 1);
 }
 
