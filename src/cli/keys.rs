@@ -162,6 +162,10 @@ fn render_list(records: &[KeyRecord], json: bool) -> String {
         "RESPONSE",
         "RECEIVED",
         "COMPLETED",
+        // Last, so the columns scripts may already read keep their places.
+        // A `processing` key past this time is taken over by its next
+        // delivery.
+        "LEASE_EXPIRES",
     ];
     let rows: Vec<Vec<String>> = records
         .iter()
@@ -174,6 +178,7 @@ fn render_list(records: &[KeyRecord], json: bool) -> String {
                 or_dash(record.response_status),
                 time(record.received_at),
                 or_dash(record.completed_at.map(time)),
+                or_dash(record.lease_expires_at.map(time)),
             ]
         })
         .collect();

@@ -144,7 +144,8 @@ async fn keys_list_prints_a_table_newest_first_and_filters_it(backend: Backend) 
             "ATTEMPTS",
             "RESPONSE",
             "RECEIVED",
-            "COMPLETED"
+            "COMPLETED",
+            "LEASE_EXPIRES"
         ]
     );
     assert_eq!(
@@ -163,6 +164,17 @@ async fn keys_list_prints_a_table_newest_first_and_filters_it(backend: Backend) 
         .split_whitespace()
         .collect();
     assert_eq!(failed_row[2..5], ["failed", "1", "500"]);
+    let lease_cells: Vec<&str> = all
+        .stdout
+        .lines()
+        .skip(1)
+        .map(|line| line.split_whitespace().last().unwrap())
+        .collect();
+    assert!(
+        lease_cells[0].ends_with('Z'),
+        "a processing key shows when its lease expires: {lease_cells:?}"
+    );
+    assert_eq!(lease_cells[1..], ["-", "-"], "settled keys hold no lease");
     let status_column = all.stdout.lines().next().unwrap().find("STATUS").unwrap();
     for line in all.stdout.lines().skip(1) {
         assert!(
