@@ -122,9 +122,12 @@ impl Statements {
             // a concurrent claim after the snapshot is invisible to `prior`
             // and to the UPDATE; losing to it means in flight (its status
             // and payload hash are read afterwards, by `recheck`). New rows are
-            // inserted in key order, so concurrent batches wait on shared
-            // new keys in the same order; a deadlock between retakes is
-            // refused by the server and the keys are then claimed one by one.
+            // inserted, and rows to take back locked (`retakable`, sorted
+            // before it locks), in key order, so concurrent batches wait on
+            // shared keys in the same order instead of deadlocking: each
+            // deadlock costs the server's `deadlock_timeout` (1 s) before it
+            // refuses one statement. Should one still happen, the refused
+            // statement's keys are then claimed one by one.
             claim: format!(
                 "WITH input AS (
                    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
@@ -139,17 +142,24 @@ impl Statements {
                      FROM input ORDER BY source, event_id
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
+                 ), retakable AS (
+                   SELECT e.source, e.event_id, i.lease_ms
+                     FROM {table} e JOIN input i USING (source, event_id)
+                    WHERE e.status = 'failed'
+                       OR (e.status = 'processing' AND e.lease_expires_at <= now())
+                    ORDER BY e.source, e.event_id
+                      FOR UPDATE OF e
                  ), retaken AS (
                    UPDATE {table} AS e
                       SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
-                          lease_expires_at = now() + i.lease_ms * interval '1 millisecond',
+                          lease_expires_at = now() + r.lease_ms * interval '1 millisecond',
                           response_status = NULL, completed_at = NULL
-                     FROM input i
-                    WHERE e.source = i.source AND e.event_id = i.event_id
+                     FROM retakable r
+                    WHERE e.source = r.source AND e.event_id = r.event_id
                       AND (e.status = 'failed'
                            OR (e.status = 'processing' AND e.lease_expires_at <= now()))
                       AND NOT EXISTS (SELECT 1 FROM inserted n
-                                       WHERE n.source = i.source AND n.event_id = i.event_id)
+                                       WHERE n.source = r.source AND n.event_id = r.event_id)
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
                  ), claimed AS (
                    SELECT * FROM inserted UNION ALL SELECT * FROM retaken
