@@ -299,17 +299,7 @@ async fn a_claim_that_loses_to_an_uncommitted_insert_still_compares_bodies() {
         async move { store.claim(&request("r1")).await }
     });
     let observer = test_store.postgres().await;
-    let waiting_on_a_lock = "SELECT count(*) FROM pg_stat_activity
-                              WHERE datname = current_database() AND wait_event_type = 'Lock'";
-    while observer
-        .query_one(waiting_on_a_lock, &[])
-        .await
-        .unwrap()
-        .get::<_, i64>(0)
-        == 0
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_waiting_on_locks(&observer, 1).await;
     insert.commit().await.unwrap();
     assert_eq!(
         duplicate.await.unwrap().unwrap(),
@@ -317,4 +307,109 @@ async fn a_claim_that_loses_to_an_uncommitted_insert_still_compares_bodies() {
             payload_mismatch: true
         }
     );
+}
+
+/// Counts this database's sessions waiting on a lock until there are
+/// `waiters`, and returns the query text of those waiting.
+async fn until_waiting_on_locks(observer: &tokio_postgres::Client, waiters: i64) -> Vec<String> {
+    loop {
+        let rows = observer
+            .query(
+                "SELECT query FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        if rows.len() as i64 >= waiters {
+            return rows.iter().map(|row| row.get(0)).collect();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A batch takes back its keys in key order, whatever order they were
+/// queued in: holding the first key, another transaction can still lock the
+/// second one. Locked in queue order instead, the batch would hold the
+/// second key while waiting for the first, and two such batches (two
+/// replicas, or one replica's two batches in flight) would deadlock, each
+/// deadlock costing the server's `deadlock_timeout` before it refused one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_takes_back_failed_keys_in_key_order() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    let keys: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+    for (key, claim) in claim_all(&store, &keys).await {
+        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
+        assert!(
+            store
+                .settle("src", &key, 1, Settlement::RELEASED)
+                .await
+                .unwrap()
+        );
+    }
+    let lock = "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id = $1 FOR UPDATE";
+    let observer = test_store.postgres().await;
+
+    // Both batches in flight wait on rows held here, so `b` and `a`, queued
+    // behind them in that order, go out together as one batch.
+    let mut holder_cd = test_store.postgres().await;
+    let hold_cd = holder_cd.transaction().await.unwrap();
+    hold_cd.execute(lock, &[&"c"]).await.unwrap();
+    hold_cd.execute(lock, &[&"d"]).await.unwrap();
+    let c = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("c")).await }
+    });
+    until_waiting_on_locks(&observer, 1).await;
+    let d = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("d")).await }
+    });
+    until_waiting_on_locks(&observer, 2).await;
+    let mut holder_a = test_store.postgres().await;
+    let hold_a = holder_a.transaction().await.unwrap();
+    hold_a.execute(lock, &[&"a"]).await.unwrap();
+    let b_then_a = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let (b, a) = (request("b"), request("a"));
+            tokio::join!(store.claim(&b), store.claim(&a))
+        }
+    });
+    // The two claims are queued as soon as that task first runs; the query
+    // text checked below shows whether they went out together.
+    tokio::task::yield_now().await;
+    hold_cd.commit().await.unwrap();
+    for claim in [c.await.unwrap(), d.await.unwrap()] {
+        assert!(
+            matches!(claim, Ok(Claim::Won { attempt: 2, .. })),
+            "{claim:?}"
+        );
+    }
+
+    let waiting = until_waiting_on_locks(&observer, 1).await;
+    assert!(
+        waiting.iter().any(|query| query.contains("unnest")),
+        "`b` and `a` wait as one batch: {waiting:?}"
+    );
+    // Bounded, not timed: `b` is free unless the batch took it out of key
+    // order, and then this waits on a deadlock the server would only break
+    // after `deadlock_timeout` (1 s).
+    hold_a
+        .batch_execute("SET LOCAL lock_timeout = '500ms'")
+        .await
+        .unwrap();
+    hold_a
+        .execute(lock, &[&"b"])
+        .await
+        .expect("`b` is not locked while the batch waits for `a`");
+    hold_a.commit().await.unwrap();
+    let (b, a) = b_then_a.await.unwrap();
+    for claim in [b, a] {
+        assert!(
+            matches!(claim, Ok(Claim::Won { attempt: 2, .. })),
+            "{claim:?}"
+        );
+    }
 }
