@@ -123,11 +123,12 @@ impl Statements {
             // and to the UPDATE; losing to it means in flight (its status
             // and payload hash are read afterwards, by `recheck`). New rows are
             // inserted, and rows to take back locked (`retakable`, sorted
-            // before it locks), in key order, so concurrent batches wait on
-            // shared keys in the same order instead of deadlocking: each
-            // deadlock costs the server's `deadlock_timeout` (1 s) before it
-            // refuses one statement. Should one still happen, the refused
-            // statement's keys are then claimed one by one.
+            // before it locks), in key order, byte by byte as settle batches
+            // are sorted, so concurrent batches wait on shared keys in the
+            // same order instead of deadlocking: each deadlock costs the
+            // server's `deadlock_timeout` (1 s) before it refuses one
+            // statement. Should one still happen, the refused statement's
+            // keys are then claimed one by one.
             claim: format!(
                 "WITH input AS (
                    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
@@ -139,7 +140,7 @@ impl Statements {
                    INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
                    SELECT source, event_id, 'processing', 1, payload_sha256,
                           now() + lease_ms * interval '1 millisecond'
-                     FROM input ORDER BY source, event_id
+                     FROM input ORDER BY source COLLATE \"C\", event_id COLLATE \"C\"
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
                  ), retakable AS (
@@ -147,7 +148,7 @@ impl Statements {
                      FROM {table} e JOIN input i USING (source, event_id)
                     WHERE e.status = 'failed'
                        OR (e.status = 'processing' AND e.lease_expires_at <= now())
-                    ORDER BY e.source, e.event_id
+                    ORDER BY e.source COLLATE \"C\", e.event_id COLLATE \"C\"
                       FOR UPDATE OF e
                  ), retaken AS (
                    UPDATE {table} AS e
@@ -585,9 +586,25 @@ impl BatchRunner {
 
     /// Settles a batch; as with claims, a refused statement is retried one
     /// key at a time.
+    ///
+    /// The batch goes out in key order (byte order, as claims lock theirs):
+    /// the statement locks rows in the order of its input, so two batches
+    /// sharing keys, or a settle and a claim taking back the same expired
+    /// keys, wait on each other instead of deadlocking. Sorting here, not
+    /// in the statement, costs the database nothing: a locking sort there
+    /// would write a lock record for every row it then updates anyway.
     async fn settle_batch(self, requests: Vec<SettleRequest>) -> Vec<Result<bool, StoreError>> {
-        let all: Vec<&SettleRequest> = requests.iter().collect();
-        self.isolated(&all).await
+        let mut order: Vec<usize> = (0..requests.len()).collect();
+        order.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
+        let sorted: Vec<&SettleRequest> = order.iter().map(|&i| &requests[i]).collect();
+        let mut outcomes: Vec<Option<Result<bool, StoreError>>> = vec![None; requests.len()];
+        for (index, outcome) in order.into_iter().zip(self.isolated(&sorted).await) {
+            outcomes[index] = Some(outcome);
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.expect("every key settled"))
+            .collect()
     }
 
     async fn settle_round(&self, requests: &[&SettleRequest]) -> Result<Vec<bool>, StoreError> {

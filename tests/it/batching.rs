@@ -328,26 +328,20 @@ async fn until_waiting_on_locks(observer: &tokio_postgres::Client, waiters: i64)
     }
 }
 
-/// A batch takes back its keys in key order, whatever order they were
-/// queued in: holding the first key, another transaction can still lock the
-/// second one. Locked in queue order instead, the batch would hold the
-/// second key while waiting for the first, and two such batches (two
-/// replicas, or one replica's two batches in flight) would deadlock, each
-/// deadlock costing the server's `deadlock_timeout` before it refused one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_takes_back_failed_keys_in_key_order() {
+/// What a lock-order test batches: a claim or a settle of one key, answering
+/// whether it took effect.
+type KeyOperation = fn(Store, &'static str) -> futures_util::future::BoxFuture<'static, bool>;
+
+/// A batch locks its rows in key order, whatever order its requests were
+/// queued in: while it waits for the first key, held by another
+/// transaction, that transaction can still lock the second. Locked in queue
+/// order instead, the batch would hold the second key while waiting for the
+/// first, and two such batches (two replicas, or one replica's two batches
+/// in flight) would deadlock, each deadlock costing the server's
+/// `deadlock_timeout` before it refused one of them.
+async fn a_batch_locks_its_rows_in_key_order(keys_failed: bool, operation: KeyOperation) {
     let test_store = TestStore::new(Backend::Postgres).await;
-    let store = open(&test_store.url).await;
-    let keys: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
-    for (key, claim) in claim_all(&store, &keys).await {
-        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
-        assert!(
-            store
-                .settle("src", &key, 1, Settlement::RELEASED)
-                .await
-                .unwrap()
-        );
-    }
+    let store = store_with_four_keys(&test_store, keys_failed).await;
     let lock = "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id = $1 FOR UPDATE";
     let observer = test_store.postgres().await;
 
@@ -357,36 +351,22 @@ async fn a_batch_takes_back_failed_keys_in_key_order() {
     let hold_cd = holder_cd.transaction().await.unwrap();
     hold_cd.execute(lock, &[&"c"]).await.unwrap();
     hold_cd.execute(lock, &[&"d"]).await.unwrap();
-    let c = tokio::spawn({
-        let store = store.clone();
-        async move { store.claim(&request("c")).await }
-    });
+    let c = tokio::spawn(operation(store.clone(), "c"));
     until_waiting_on_locks(&observer, 1).await;
-    let d = tokio::spawn({
-        let store = store.clone();
-        async move { store.claim(&request("d")).await }
-    });
+    let d = tokio::spawn(operation(store.clone(), "d"));
     until_waiting_on_locks(&observer, 2).await;
     let mut holder_a = test_store.postgres().await;
     let hold_a = holder_a.transaction().await.unwrap();
     hold_a.execute(lock, &[&"a"]).await.unwrap();
-    let b_then_a = tokio::spawn({
-        let store = store.clone();
-        async move {
-            let (b, a) = (request("b"), request("a"));
-            tokio::join!(store.claim(&b), store.claim(&a))
-        }
-    });
-    // The two claims are queued as soon as that task first runs; the query
-    // text checked below shows whether they went out together.
+    let b_then_a =
+        tokio::spawn(
+            async move { tokio::join!(operation(store.clone(), "b"), operation(store, "a")) },
+        );
+    // The two are queued as soon as that task first runs; the query text
+    // checked below shows whether they went out together.
     tokio::task::yield_now().await;
     hold_cd.commit().await.unwrap();
-    for claim in [c.await.unwrap(), d.await.unwrap()] {
-        assert!(
-            matches!(claim, Ok(Claim::Won { attempt: 2, .. })),
-            "{claim:?}"
-        );
-    }
+    assert!(c.await.unwrap() && d.await.unwrap());
 
     let waiting = until_waiting_on_locks(&observer, 1).await;
     assert!(
@@ -405,11 +385,45 @@ async fn a_batch_takes_back_failed_keys_in_key_order() {
         .await
         .expect("`b` is not locked while the batch waits for `a`");
     hold_a.commit().await.unwrap();
-    let (b, a) = b_then_a.await.unwrap();
-    for claim in [b, a] {
-        assert!(
-            matches!(claim, Ok(Claim::Won { attempt: 2, .. })),
-            "{claim:?}"
-        );
+    assert_eq!(b_then_a.await.unwrap(), (true, true));
+}
+
+/// Four keys, `a` to `d`, each claimed once (`processing`, attempt 1), and
+/// released too (`failed`) when `failed` is set.
+async fn store_with_four_keys(test_store: &TestStore, failed: bool) -> Store {
+    let store = open(&test_store.url).await;
+    let keys: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+    for (key, claim) in claim_all(&store, &keys).await {
+        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
+        if failed {
+            let released = store.settle("src", &key, 1, Settlement::RELEASED);
+            assert!(released.await.unwrap());
+        }
     }
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_batch_takes_back_failed_keys_in_key_order() {
+    a_batch_locks_its_rows_in_key_order(true, |store, key| {
+        Box::pin(async move {
+            let claim = store.claim(&request(key)).await;
+            matches!(claim, Ok(Claim::Won { attempt: 2, .. }))
+        })
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_batch_writes_its_keys_in_key_order() {
+    a_batch_locks_its_rows_in_key_order(false, |store, key| {
+        Box::pin(async move {
+            let done = Settlement {
+                status: SettledStatus::Done,
+                response_status: Some(200),
+            };
+            store.settle("src", key, 1, done).await.unwrap()
+        })
+    })
+    .await;
 }
