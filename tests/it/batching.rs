@@ -427,3 +427,40 @@ async fn a_settle_batch_writes_its_keys_in_key_order() {
     })
     .await;
 }
+
+/// Planned against an empty table, the claim and settle statements would
+/// scan it sequentially for as long as their connections live unless the
+/// table is analyzed, and this server runs without autovacuum: the proxy
+/// analyzes it itself once it has inserted enough rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_table_is_analyzed_once_it_has_grown() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    let observer = test_store.postgres().await;
+    let last_analyze = "SELECT coalesce(last_analyze, last_autoanalyze) IS NOT NULL
+                          FROM pg_stat_user_tables WHERE relname = 'processed_events'";
+    assert!(
+        !observer
+            .query_one(last_analyze, &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    );
+    let keys: Vec<String> = (0..1_000).map(|i| format!("g{i}")).collect();
+    for (key, claim) in claim_all(&store, &keys).await {
+        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
+    }
+    // The ANALYZE runs in the background; bounded so a missing one fails.
+    for _ in 0..3_000 {
+        if observer
+            .query_one(last_analyze, &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the table was never analyzed");
+}
