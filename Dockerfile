@@ -1,7 +1,7 @@
 # dedupe-proxy container image.
 #
 #   docker build -t dedupe-proxy:0.1.0 .
-#   docker run --rm -p 8080:8080 -p 127.0.0.1:9090:9090 --read-only \
+#   docker run --rm --stop-timeout 30 -p 8080:8080 -p 127.0.0.1:9090:9090 --read-only \
 #     -v "$PWD/config.yaml:/etc/dedupe-proxy/config.yaml:ro" -v dedupe-data:/data dedupe-proxy:0.1.0
 #
 # The runtime image is distroless (glibc and CA certificates, no shell): the
