@@ -95,23 +95,9 @@ fn stale_and_future_timestamps_are_refused_the_boundary_is_not() {
 #[test]
 fn missing_and_malformed_headers_are_refused() {
     let names = ["x-slack-request-timestamp", "x-slack-signature"];
-    let keys = secrets(&[SECRET]);
-    requires_headers(
-        &Scheme::slack(),
-        &valid(),
-        &names,
-        BODY,
-        &keys,
-        at(TIMESTAMP_SECS),
-    );
-    refuses_hostile_values(
-        &Scheme::slack(),
-        &valid(),
-        &names,
-        BODY,
-        &keys,
-        at(TIMESTAMP_SECS),
-    );
+    let (scheme, keys, now) = (Scheme::slack(), secrets(&[SECRET]), at(TIMESTAMP_SECS));
+    requires_headers(&scheme, &valid(), &names, BODY, &keys, now);
+    refuses_hostile_values(&scheme, &valid(), &names, BODY, &keys, now);
     let bare = SIGNATURE_VALUE.trim_start_matches("v0=");
     for signature in [bare, "v1=a2114d57", "v0=", "v0=xyz"] {
         let result = check(

@@ -400,17 +400,7 @@ async fn an_answer_whose_settle_fails_is_still_returned_and_settled_later() {
         })
         .await,
     );
-    let gate = Gate::new();
-    app.upstream
-        .script("evt_settle", [Behavior::Gate(Arc::clone(&gate))]);
-    let delivery = tokio::spawn({
-        let app = Arc::clone(&app);
-        async move { app.deliver("evt_settle", "{}").await }
-    });
-    app.upstream.wait_for(1).await;
-    relay.cut().await;
-    gate.open();
-    let response = delivery.await.unwrap();
+    let response = app.deliver_answered_after("evt_settle", relay.cut()).await;
     assert_eq!(
         (response.status, response.outcome()),
         (200, "forwarded"),
@@ -591,14 +581,7 @@ async fn an_outcome_the_store_has_not_taken_keeps_its_key_from_a_second_forward(
         config.store.lease = LEASE;
     })
     .await;
-    let gate = Gate::new();
-    app.upstream
-        .script("evt_lost", [Behavior::Gate(Arc::clone(&gate))]);
-    let (first, ()) = tokio::join!(app.deliver("evt_lost", "{}"), async {
-        app.upstream.wait_for(1).await;
-        outage.begin().await;
-        gate.open();
-    });
+    let first = app.deliver_answered_after("evt_lost", outage.begin()).await;
     assert_eq!((first.status, first.outcome()), (200, "forwarded"));
     // The claim's lease runs out while its outcome cannot be written.
     tokio::time::sleep(LEASE).await;
@@ -621,14 +604,7 @@ async fn shutdown_keeps_trying_to_write_known_outcomes_until_the_grace_ends() {
         config.shutdown_grace = Duration::from_secs(20);
     })
     .await;
-    let gate = Gate::new();
-    app.upstream
-        .script("evt_term", [Behavior::Gate(Arc::clone(&gate))]);
-    let (first, ()) = tokio::join!(app.deliver("evt_term", "{}"), async {
-        app.upstream.wait_for(1).await;
-        relay.cut().await;
-        gate.open();
-    });
+    let first = app.deliver_answered_after("evt_term", relay.cut()).await;
     assert_eq!(first.outcome(), "forwarded");
     let refused = relay.refusals();
     app.begin_shutdown();

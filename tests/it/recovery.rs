@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::support::{Backend, Behavior, Gate, Relay, TestApp, TestStore, Upstream};
+use crate::support::{Backend, Relay, TestApp, TestStore, Upstream};
 
 /// Delivers `key` until it is acknowledged, within a bound. Only 503 (store
 /// unavailable) and 409 (a claim whose answer the terminated connection lost
@@ -115,17 +115,7 @@ async fn a_settle_that_failed_is_written_when_the_store_returns_after_the_lease(
         })
         .await,
     );
-    let gate = Gate::new();
-    app.upstream
-        .script("evt_outage", [Behavior::Gate(Arc::clone(&gate))]);
-    let delivery = tokio::spawn({
-        let app = Arc::clone(&app);
-        async move { app.deliver("evt_outage", "{}").await }
-    });
-    app.upstream.wait_for(1).await;
-    relay.cut().await;
-    gate.open();
-    let response = delivery.await.unwrap();
+    let response = app.deliver_answered_after("evt_outage", relay.cut()).await;
     assert_eq!((response.status, response.outcome()), (200, "forwarded"));
 
     // The outage outlasts the lease: the claim is reclaimable in the table,

@@ -630,6 +630,26 @@ impl TestApp {
             .await
     }
 
+    /// Delivers `key` (body `{}`), with the upstream holding the request
+    /// until `meanwhile` has run: an application that answers only after,
+    /// say, the store has gone away.
+    pub async fn deliver_answered_after(
+        &self,
+        key: &str,
+        meanwhile: impl Future<Output = ()>,
+    ) -> TestResponse {
+        let gate = Gate::new();
+        self.upstream
+            .script(key, [Behavior::Gate(Arc::clone(&gate))]);
+        let arrived = self.upstream.count() + 1;
+        let (response, ()) = tokio::join!(self.deliver(key, "{}"), async {
+            self.upstream.wait_for(arrived).await;
+            meanwhile.await;
+            gate.open();
+        });
+        response
+    }
+
     pub async fn send(
         &self,
         method: http::Method,
