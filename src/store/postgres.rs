@@ -552,14 +552,14 @@ impl BatchRunner {
     /// plans are made again for the table as it now is (see `Growth`). A
     /// failure (the proxy's user may not own the table) costs only that.
     async fn analyze(self) {
-        let analyzed = match self.session.client().await {
-            Ok(client) => client
+        let analyzed = async {
+            let client = self.session.client().await?;
+            client
                 .batch_execute(&self.sql.analyze)
                 .await
-                .map_err(postgres_error),
-            Err(error) => Err(error),
+                .map_err(postgres_error)
         };
-        match analyzed {
+        match analyzed.await {
             Ok(()) => tracing::debug!("analyzed the claims table as it grew"),
             Err(error) => {
                 tracing::warn!(%error, "cannot analyze the claims table; with autovacuum off, its cached query plans may stay those made when it was empty");
@@ -681,14 +681,11 @@ impl BatchRunner {
         let mut order: Vec<usize> = (0..requests.len()).collect();
         order.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
         let sorted: Vec<&SettleRequest> = order.iter().map(|&i| &requests[i]).collect();
-        let mut outcomes: Vec<Option<Result<bool, StoreError>>> = vec![None; requests.len()];
+        let mut outcomes = vec![Ok(false); requests.len()];
         for (index, outcome) in order.into_iter().zip(self.isolated(&sorted).await) {
-            outcomes[index] = Some(outcome);
+            outcomes[index] = outcome;
         }
         outcomes
-            .into_iter()
-            .map(|outcome| outcome.expect("every key settled"))
-            .collect()
     }
 
     async fn settle_round(&self, requests: &[&SettleRequest]) -> Result<Vec<bool>, StoreError> {
