@@ -17,9 +17,12 @@
 //! without).
 
 use std::convert::Infallible;
+use std::future::poll_fn;
 use std::net::SocketAddr;
+use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::Waker;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -27,12 +30,13 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::{HttpService, service_fn};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use hyper_util::server::graceful::GracefulConnection;
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::proxy::{Body, Proxy};
 use crate::upstream::Peer;
@@ -208,14 +212,12 @@ async fn serve(
         grace,
         header_read_timeout,
     } = webhooks;
-    let graceful = GracefulShutdown::new();
+    let connections = TaskTracker::new();
     let http = Arc::new(Http {
         http1: super::http1_builder(header_read_timeout),
         http2: super::http2_builder(),
     });
-    // Cancelled when shutdown begins: a connection that has not yet started
-    // a request is closed then, not waited for through the grace period.
-    let closing = CancellationToken::new();
+    let closing = Closing::default();
     while let Some((stream, addr)) = incoming.recv().await {
         let counted = OpenConnection(Arc::clone(&open));
         let stream = match TcpStream::from_std(stream) {
@@ -231,30 +233,30 @@ async fn serve(
             let (proxy, peer) = (Arc::clone(&proxy), peer.clone());
             async move { Ok::<_, Infallible>(proxy.handle(request, peer).await) }
         });
-        let (http, watcher, closing) = (Arc::clone(&http), graceful.watcher(), closing.clone());
+        let (http, closing) = (Arc::clone(&http), closing.clone());
         // One task type per transport: a task is as large as its largest
         // state, and a plain connection should not carry room for a TLS
         // session for as long as it stays open.
         match tls.clone() {
-            None => tokio::spawn(async move {
+            None => connections.spawn(async move {
                 // Bounded like the headers that follow: a sender that
                 // connects and sends nothing is closed too.
                 let sniffed = tokio::time::timeout(header_read_timeout, sniff(&stream));
-                let Some(sniffed) = closing.run_until_cancelled(sniffed).await else {
+                let Some(sniffed) = closing.token.run_until_cancelled(sniffed).await else {
                     return;
                 };
                 let Ok(Ok(protocol)) = sniffed else {
                     tracing::debug!(%addr, "no request began within the header read timeout");
                     return;
                 };
-                http.serve(TokioIo::new(stream), protocol, service, watcher)
+                http.serve(TokioIo::new(stream), protocol, service, &closing)
                     .await;
                 drop(counted);
             }),
-            Some(acceptor) => tokio::spawn(async move {
+            Some(acceptor) => connections.spawn(async move {
                 let handshake =
                     tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
-                let Some(handshake) = closing.run_until_cancelled(handshake).await else {
+                let Some(handshake) = closing.token.run_until_cancelled(handshake).await else {
                     return;
                 };
                 let Ok(Ok(stream)) = handshake else {
@@ -265,14 +267,15 @@ async fn serve(
                     Some(b"h2") => Protocol::Http2,
                     _ => Protocol::Http1,
                 };
-                http.serve(TokioIo::new(stream), protocol, service, watcher)
+                http.serve(TokioIo::new(stream), protocol, service, &closing)
                     .await;
                 drop(counted);
             }),
         };
     }
-    closing.cancel();
-    if tokio::time::timeout(grace, graceful.shutdown())
+    closing.begin();
+    connections.close();
+    if tokio::time::timeout(grace, connections.wait())
         .await
         .is_err()
     {
@@ -326,7 +329,7 @@ struct Http {
 
 impl Http {
     /// Serves the connection until it ends, and logs an end in error.
-    async fn serve<I, S>(&self, io: I, protocol: Protocol, service: S, watcher: Watcher)
+    async fn serve<I, S>(&self, io: I, protocol: Protocol, service: S, closing: &Closing)
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
         S: HttpService<Incoming, ResBody = Body, Error = Infallible> + Send + 'static,
@@ -334,20 +337,73 @@ impl Http {
     {
         let served = match protocol {
             Protocol::Http1 => {
-                watcher
+                closing
                     .watch(self.http1.serve_connection(io, service))
                     .await
             }
             // Boxed: HTTP/1 connections, nearly all of them, would otherwise
             // carry room for an HTTP/2 one for as long as they stay open.
             Protocol::Http2 => {
-                Box::pin(watcher.watch(self.http2.serve_connection(io, service))).await
+                Box::pin(closing.watch(self.http2.serve_connection(io, service))).await
             }
         };
         if let Err(error) = served {
             tracing::debug!(%error, "webhook connection ended with an error");
         }
     }
+}
+
+/// Shutdown as one serving thread's connections see it. When it begins, a
+/// connection that has not started a request is closed, and the others
+/// finish the request in hand and close.
+#[derive(Clone, Default)]
+struct Closing {
+    /// Set before `token` is cancelled. A connection reads it on every poll
+    /// (several per request); checking the token itself takes a lock.
+    begun: Arc<AtomicBool>,
+    token: CancellationToken,
+}
+
+impl Closing {
+    fn begin(&self) {
+        self.begun.store(true, Ordering::Release);
+        self.token.cancel();
+    }
+
+    /// Serves `connection` to its end, asking it to finish gracefully once
+    /// shutdown begins.
+    async fn watch<C: GracefulConnection>(&self, connection: C) -> C::Output {
+        let mut connection = pin!(connection);
+        let mut cancelled = pin!(self.token.cancelled());
+        let mut watch = Watch::Unregistered;
+        poll_fn(|cx| {
+            match &watch {
+                Watch::Told => {}
+                Watch::Waiting(waker)
+                    if waker.will_wake(cx.waker()) && !self.begun.load(Ordering::Acquire) => {}
+                _ => {
+                    if cancelled.as_mut().poll(cx).is_ready() {
+                        watch = Watch::Told;
+                        connection.as_mut().graceful_shutdown();
+                    } else {
+                        watch = Watch::Waiting(cx.waker().clone());
+                    }
+                }
+            }
+            connection.as_mut().poll(cx)
+        })
+        .await
+    }
+}
+
+/// Where a connection stands with the shutdown.
+enum Watch {
+    Unregistered,
+    /// The cancellation will wake this task; until shutdown begins or
+    /// another task polls the connection, it need not be polled again.
+    Waiting(Waker),
+    /// Asked to finish gracefully.
+    Told,
 }
 
 /// Counts a connection against its thread until the connection ends.
