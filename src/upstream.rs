@@ -47,7 +47,6 @@ pub struct Upstream {
     /// `Host` for a request that came without one (HTTP/1.0).
     default_host: HeaderValue,
     base_path: String,
-    timeout: Duration,
 }
 
 /// The `X-Dedupe-*` fields the upstream gets with a deduplicated request.
@@ -113,7 +112,6 @@ impl Upstream {
             default_host: HeaderValue::from_str(authority.as_str())
                 .expect("an authority is a valid header value"),
             base_path: url.path().trim_end_matches('/').to_owned(),
-            timeout: config.timeout,
         })
     }
 
@@ -139,14 +137,9 @@ impl Upstream {
         &self,
         request: Request<RequestBody>,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(self.timeout, self.pool.send(request)).await {
-            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-            Ok(Err(error)) => Err(error),
-            Ok(Ok(mut response)) => {
-                strip_hop_by_hop(response.headers_mut());
-                Ok(response)
-            }
-        }
+        let mut response = self.pool.send(request).await?;
+        strip_hop_by_hop(response.headers_mut());
+        Ok(response)
     }
 
     /// The origin-form target on the upstream: its base path, then the
