@@ -15,6 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 mod serving;
+mod timer;
 
 use serving::{ServingThreads, Webhooks};
 

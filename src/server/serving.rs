@@ -38,6 +38,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::timer::ConnectionTimer;
 use crate::proxy::{Body, Proxy};
 use crate::upstream::Peer;
 
@@ -337,9 +338,9 @@ impl Http {
     {
         let served = match protocol {
             Protocol::Http1 => {
-                closing
-                    .watch(self.http1.serve_connection(io, service))
-                    .await
+                let mut http1 = self.http1.clone();
+                http1.timer(ConnectionTimer::default());
+                closing.watch(http1.serve_connection(io, service)).await
             }
             // Boxed: HTTP/1 connections, nearly all of them, would otherwise
             // carry room for an HTTP/2 one for as long as they stay open.
