@@ -115,7 +115,6 @@ impl Pool {
         mut request: Request<RequestBody>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         let until = tokio::time::Instant::now() + self.timeout;
-        let mut spare: Option<Deadline> = None;
         loop {
             let (mut sender, mut deadline, reused) = match self.checkout() {
                 Some(Idle {
@@ -127,9 +126,10 @@ impl Pool {
                     (sender, deadline, true)
                 }
                 None => {
-                    let mut deadline = spare
-                        .take()
-                        .unwrap_or_else(|| Box::pin(tokio::time::sleep_until(until)));
+                    // A new timer, even on a retry: a timer stays with the
+                    // connection it was made with, so that both belong to
+                    // the runtime driving that connection.
+                    let mut deadline = Box::pin(tokio::time::sleep_until(until));
                     // Boxed: connecting takes a large future that most
                     // requests, on a kept-alive connection, would otherwise
                     // carry and copy.
@@ -154,10 +154,7 @@ impl Pool {
                     return Ok(response);
                 }
                 Err(mut error) => match error.take_message() {
-                    Some(unsent) if reused => {
-                        request = unsent;
-                        spare = Some(deadline);
-                    }
+                    Some(unsent) if reused => request = unsent,
                     _ => return Err(UpstreamError::Failed(error_chain(&error.into_error()))),
                 },
             }
