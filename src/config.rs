@@ -641,8 +641,19 @@ impl Config {
             check(value > 0, format!("{field}: must be at least 1"));
         }
         check(
-            tracing_subscriber::EnvFilter::try_new(&self.log_level).is_ok(),
-            format!("log_level: `{}` is not a log filter", self.log_level),
+            tracing_subscriber::EnvFilter::try_new(&self.log_level).is_ok()
+                && self.log_level.split(',').all(is_level_or_target_directive),
+            format!(
+                "log_level: `{}` is not a log filter: use a level (trace, debug, info, warn, error, off) or `target=level` directives",
+                self.log_level
+            ),
+        );
+        check(
+            !listeners_collide(self.listen, self.admin_listen),
+            format!(
+                "admin_listen: {} collides with listen ({}); the two listeners need different ports",
+                self.admin_listen, self.listen
+            ),
         );
         validate_statuses(
             "defaults",
@@ -659,7 +670,42 @@ impl Config {
             }
             self.validate_route(&at, route, secrets, &mut problems);
         }
+        self.validate_route_overlap(&mut problems);
         problems
+    }
+
+    /// A route whose path (or prefix) and methods an earlier route already
+    /// covers would never see a request: its keys, metrics and settings
+    /// would silently go unused.
+    fn validate_route_overlap(&self, problems: &mut Vec<String>) {
+        let methods = |route: &RouteConfig| -> Vec<String> {
+            route
+                .methods
+                .iter()
+                .map(|m| m.to_ascii_uppercase())
+                .collect()
+        };
+        for (index, route) in self.routes.iter().enumerate() {
+            let shadowed_by = self.routes[..index].iter().position(|earlier| {
+                let same_path = match (&route.path, &earlier.path) {
+                    (Some(path), Some(earlier)) => path == earlier,
+                    (None, None) => route.path_prefix == earlier.path_prefix,
+                    _ => false,
+                };
+                same_path && methods(route).iter().any(|m| methods(earlier).contains(m))
+            });
+            if let Some(earlier) = shadowed_by {
+                let field = if route.path.is_some() {
+                    "path"
+                } else {
+                    "path_prefix"
+                };
+                problems.push(format!(
+                    "routes[{index}] ({}).{field}: routes[{earlier}] ({}) already matches this {field} for some of the same methods, so this route would never be used",
+                    route.name, self.routes[earlier].name
+                ));
+            }
+        }
     }
 
     /// TLS material named by the configuration must load.
@@ -891,6 +937,27 @@ fn is_table_name(name: &str) -> bool {
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([0, 0, 0, 0], 8080))
 }
+/// `info` or `hyper=debug`, but not a bare word such as `verbose`, which
+/// `tracing` would read as a target name and so log almost nothing.
+fn is_level_or_target_directive(directive: &str) -> bool {
+    let directive = directive.trim();
+    directive.contains('=')
+        || ["trace", "debug", "info", "warn", "error", "off"]
+            .iter()
+            .any(|level| directive.eq_ignore_ascii_case(level))
+}
+
+/// Whether binding both addresses must fail: the same port on the same
+/// address, or on any address when either is a wildcard. Port 0 asks the
+/// system for a free port, which never collides.
+fn listeners_collide(listen: SocketAddr, admin: SocketAddr) -> bool {
+    listen.port() != 0
+        && listen.port() == admin.port()
+        && (listen.ip() == admin.ip()
+            || listen.ip().is_unspecified()
+            || admin.ip().is_unspecified())
+}
+
 fn default_admin_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9090))
 }
@@ -1003,6 +1070,76 @@ mod tests {
         assert_eq!(config.defaults.duplicate_status, 200);
         assert_eq!(config.defaults.in_flight_status, 409);
         assert_eq!(config.unmatched, Unmatched::Forward);
+    }
+
+    #[test]
+    fn a_log_level_that_is_neither_a_level_nor_a_directive_is_an_error() {
+        let problems = problems("log_level: verbose");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("log_level: `verbose`")),
+            "{problems:?}"
+        );
+        for accepted in [
+            "debug",
+            "WARN",
+            "info,hyper=warn",
+            "dedupe_proxy::proxy=trace",
+        ] {
+            let config = parse(&format!("log_level: '{accepted}'"));
+            assert!(config.is_ok(), "{accepted}: {config:?}");
+        }
+    }
+
+    #[test]
+    fn admin_listen_on_the_webhook_listeners_port_is_an_error() {
+        for (listen, admin) in [
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+            ("0.0.0.0:8080", "127.0.0.1:8080"),
+            ("127.0.0.1:9090", "[::]:9090"),
+        ] {
+            let problems = problems(&format!("listen: '{listen}'\nadmin_listen: '{admin}'"));
+            assert!(
+                problems.iter().any(|p| p.starts_with("admin_listen:")),
+                "{listen} {admin}: {problems:?}"
+            );
+        }
+        for (listen, admin) in [
+            ("127.0.0.1:0", "127.0.0.1:0"),
+            ("127.0.0.1:8080", "127.0.0.2:8080"),
+            ("0.0.0.0:8080", "127.0.0.1:9090"),
+        ] {
+            let config = parse(&format!("listen: '{listen}'\nadmin_listen: '{admin}'"));
+            assert!(config.is_ok(), "{listen} {admin}: {config:?}");
+        }
+    }
+
+    #[test]
+    fn a_route_an_earlier_route_already_matches_is_an_error() {
+        let problems = problems(
+            "routes:
+  - { name: a, path: /hooks, key: { header: X-Id } }
+  - { name: b, path: /hooks, methods: [PUT, post], key: { header: X-Id } }
+  - { name: c, path_prefix: /in/, key: { header: X-Id } }
+  - { name: d, path_prefix: /in/, key: { header: X-Id } }",
+        );
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(
+            problems[0].starts_with("routes[1] (b).path: routes[0] (a)"),
+            "{problems:?}"
+        );
+        assert!(
+            problems[1].starts_with("routes[3] (d).path_prefix: routes[2] (c)"),
+            "{problems:?}"
+        );
+        let config = parse(
+            "routes:
+  - { name: a, path: /hooks, key: { header: X-Id } }
+  - { name: b, path: /hooks, methods: [PUT], key: { header: X-Id } }
+  - { name: c, path_prefix: /hooks, key: { header: X-Id } }",
+        );
+        assert!(config.is_ok(), "{config:?}");
     }
 
     #[test]
