@@ -91,11 +91,13 @@ impl Answer {
             Answer::Duplicate(_) => "duplicate",
             Answer::InFlight(..) => "in_flight",
             Answer::Rejected(Rejection::MissingKey) => "rejected_missing_key",
-            Answer::Rejected(Rejection::BadRequest(_) | Rejection::Timeout) => {
-                "rejected_bad_request"
-            }
+            // An unmatched request refused with 404 is told apart by its
+            // `route="unmatched"` label; the outcome stays one of the
+            // documented values.
+            Answer::Rejected(
+                Rejection::BadRequest(_) | Rejection::Timeout | Rejection::NoRoute,
+            ) => "rejected_bad_request",
             Answer::Rejected(Rejection::Signature(_)) => "rejected_signature",
-            Answer::Rejected(Rejection::NoRoute) => "rejected_unmatched",
             Answer::Rejected(Rejection::TooLarge(_)) => "rejected_too_large",
             Answer::Rejected(Rejection::PayloadMismatch) => "rejected_payload_mismatch",
             Answer::Unavailable(Unavailable::Overloaded, _) => "overloaded",

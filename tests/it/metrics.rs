@@ -281,7 +281,6 @@ fn assert_families_and_labels(metrics: &Exposition) {
                     "rejected_too_large",
                     "rejected_bad_request",
                     "rejected_payload_mismatch",
-                    "rejected_unmatched",
                     "store_unavailable",
                     "upstream_error",
                     "passthrough",

@@ -96,7 +96,7 @@ async fn unmatched_requests_can_be_rejected_with_404(backend: Backend) {
     assert_eq!((response.status, response.outcome()), (404, "rejected"));
     assert_nothing_forwarded(&app).await;
     let metrics = app.admin_get("/metrics").await.body;
-    let counted = r#"dedupe_requests_total{outcome="rejected_unmatched",route="unmatched"} 1"#;
+    let counted = r#"dedupe_requests_total{outcome="rejected_bad_request",route="unmatched"} 1"#;
     assert!(metrics.lines().any(|l| l == counted), "{metrics}");
 }
 
