@@ -20,6 +20,10 @@ pub struct Admin {
     pub store: Store,
     /// Set once the migration has run (or immediately when it is disabled).
     pub schema_ready: Arc<AtomicBool>,
+    /// Set when shutdown begins: the webhook listener is closed, so a load
+    /// balancer should stop sending here, while `/metrics` still shows the
+    /// drain.
+    pub shutting_down: AtomicBool,
 }
 
 impl Admin {
@@ -44,6 +48,9 @@ impl Admin {
     }
 
     async fn readiness(&self) -> Response<Full<Bytes>> {
+        if self.shutting_down.load(Ordering::Acquire) {
+            return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
+        }
         if !self.schema_ready.load(Ordering::Acquire) {
             return text(StatusCode::SERVICE_UNAVAILABLE, "store schema not ready\n");
         }

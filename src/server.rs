@@ -100,6 +100,7 @@ impl Application {
             metrics: metrics.clone(),
             store: store.clone(),
             schema_ready: Arc::new(AtomicBool::new(!config.store.migrate)),
+            shutting_down: AtomicBool::new(false),
         });
         let pruner = Pruner::new(store.clone(), PrunePlan::new(config, None), metrics.clone());
         let lanes = serving_threads();
@@ -154,12 +155,15 @@ impl Application {
         }
         let pruner_task = tokio::spawn(self.pruner.run(self.prune_interval, stop.clone()));
         let admin = Arc::clone(&self.admin);
-        let admin_stop = stop.clone();
-        let admin_task = tokio::spawn(serve_admin(self.admin_listener, admin, admin_stop));
+        // The admin endpoints outlive the webhook listener: through the
+        // drain `/readyz` says so and `/metrics` can still be scraped.
+        let admin_stop = CancellationToken::new();
+        let admin_task = tokio::spawn(serve_admin(self.admin_listener, admin, admin_stop.clone()));
         if let Some(reloader) = self.tls {
             tokio::spawn(reload_on_sighup(reloader, stop.clone()));
         }
         self.serving.accept(self.webhook_listener, &stop).await;
+        self.admin.shutting_down.store(true, Ordering::Release);
         let deadline = Instant::now() + self.shutdown_grace;
         let drained = self.serving.drain().await;
         let open = self.proxy.open_claims().len();
@@ -177,6 +181,7 @@ impl Application {
             );
         }
         drained.release().await;
+        admin_stop.cancel();
         let _ = admin_task.await;
         let _ = pruner_task.await;
         tracing::info!("dedupe-proxy stopped");

@@ -178,6 +178,17 @@ async fn graceful_shutdown_finishes_in_flight_requests_and_refuses_new_connectio
     tokio::time::timeout(Duration::from_secs(5), refused)
         .await
         .expect("listener closed");
+    let not_ready = app.admin_get("/readyz").await;
+    assert_eq!(
+        (not_ready.status, not_ready.body.as_str()),
+        (503, "shutting down\n"),
+        "the admin listener stays up through the drain, and not ready"
+    );
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.lines().any(|l| l == "dedupe_in_flight_requests 1"),
+        "the drain can be scraped: {metrics}"
+    );
     let task = app.take_task();
     assert!(
         !task.is_finished(),
