@@ -14,6 +14,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::oneshot;
+
 use crate::config::StoreConfig;
 
 pub use keys::{KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources};
@@ -143,6 +145,9 @@ pub enum StoreError {
     MissingTable,
 }
 
+/// A queued claim's answer, sent once its statement has committed.
+pub type PendingClaim = oneshot::Receiver<Result<Claim, StoreError>>;
+
 /// The operations a backend provides. Every call is one short transaction;
 /// none is held across the upstream call.
 pub trait Backend: Send + Sync + 'static {
@@ -151,12 +156,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Answers when the store is reachable and the claims table exists
     /// ([`StoreError::MissingTable`] when only the table is missing).
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Inserts the key, or takes over a `failed` or lease-expired row, in one
-    /// atomic statement decided by the primary key.
-    fn claim(
-        &self,
-        request: &ClaimRequest,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+    /// Queues a claim: insert the key, or take over a `failed` or
+    /// lease-expired row, in one atomic statement decided by the primary
+    /// key. Once queued it is decided whether or not anyone still waits for
+    /// the answer.
+    fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError>;
     /// Writes the outcome only if `attempt` still owns the key (fencing).
     /// Returns whether it was written.
     fn settle(
@@ -267,9 +271,46 @@ impl Store {
         dispatch!(self, backend => backend.ping())
     }
 
-    /// See [`Backend::claim`].
+    /// See [`Backend::queue_claim`]. A claim that outlasts `store.timeout`
+    /// is answered [`StoreError::Timeout`] but still decided; should it win,
+    /// it is released at once, since no request will forward it, and the
+    /// key would otherwise stay `processing` until its lease ran out,
+    /// answering the sender's retries `in-flight`.
     pub async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
-        dispatch!(self, backend => backend.claim(request))
+        let (mut pending, stopped): (_, fn() -> StoreError) = match &*self.backend {
+            AnyBackend::Postgres(backend) => (backend.queue_claim(request)?, coalesce::stopped),
+            AnyBackend::Sqlite(backend) => (backend.queue_claim(request)?, sqlite::stopped),
+        };
+        match tokio::time::timeout(self.timeout, &mut pending).await {
+            Ok(answer) => answer.unwrap_or_else(|_| Err(stopped())),
+            Err(_) => {
+                tokio::spawn(self.clone().release_if_won(
+                    pending,
+                    Arc::clone(&request.source),
+                    request.key.clone(),
+                ));
+                Err(StoreError::Timeout(self.timeout))
+            }
+        }
+    }
+
+    async fn release_if_won(self, pending: PendingClaim, source: Arc<str>, key: String) {
+        let Ok(Ok(Claim::Won { attempt, .. })) = pending.await else {
+            return;
+        };
+        match self
+            .settle(&source, &key, attempt, Settlement::RELEASED)
+            .await
+        {
+            Ok(_) => tracing::warn!(
+                route = %source, %key, attempt,
+                "a claim answered as timed out won later; released it for the sender's retry"
+            ),
+            Err(error) => tracing::warn!(
+                route = %source, %key, attempt, %error,
+                "a claim answered as timed out won later and cannot be released; the key waits for its lease to expire"
+            ),
+        }
     }
 
     /// See [`Backend::settle`].

@@ -52,15 +52,24 @@ where
 
     /// Queues a request and waits for its result.
     pub async fn call(&self, request: Request) -> Result<Response, StoreError> {
+        self.enqueue(request)?.await.map_err(|_| stopped())?
+    }
+
+    /// Queues a request; its result arrives on the receiver, and the request
+    /// is run even if the receiver is dropped first.
+    pub fn enqueue(
+        &self,
+        request: Request,
+    ) -> Result<oneshot::Receiver<Result<Response, StoreError>>, StoreError> {
         let (reply, response) = oneshot::channel();
         self.queue
             .send(Job { request, reply })
             .map_err(|_| stopped())?;
-        response.await.map_err(|_| stopped())?
+        Ok(response)
     }
 }
 
-fn stopped() -> StoreError {
+pub(super) fn stopped() -> StoreError {
     StoreError::Postgres("the store's dispatcher has stopped".into())
 }
 

@@ -19,8 +19,8 @@ use tokio_postgres::types::{ToSql, Type};
 
 use super::coalesce::Coalescer;
 use super::{
-    Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
-    Settlement, StoreError, WonFrom, sql_identifier,
+    Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup,
+    Release, Settlement, StoreError, WonFrom, sql_identifier,
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
@@ -460,8 +460,8 @@ impl Backend for PostgresStore {
             .map_err(postgres_error)
     }
 
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
-        self.batches().claims.call(request.clone()).await
+    fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {
+        self.batches().claims.enqueue(request.clone())
     }
 
     async fn settle(

@@ -13,8 +13,8 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use super::{
-    Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PruneBatch, PruneGroup, Release,
-    Settlement, StoreError, WonFrom, sql_identifier,
+    Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup,
+    Release, Settlement, StoreError, WonFrom, sql_identifier,
 };
 use crate::config::StoreConfig;
 
@@ -157,6 +157,16 @@ impl SqliteStore {
         &self,
         work: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {
+        self.queue_grouped(work)?.await.map_err(|_| stopped())?
+    }
+
+    /// Queues `work` for a group commit; its result arrives on the receiver
+    /// once durable, and the work is run even if the receiver is dropped
+    /// first.
+    fn queue_grouped<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<oneshot::Receiver<Result<T, StoreError>>, StoreError> {
         let (reply, result) = oneshot::channel();
         let job = Job::Grouped(Box::new(move |connection| {
             let outcome = match connection {
@@ -172,11 +182,11 @@ impl SqliteStore {
             })
         }));
         self.jobs.send(job).map_err(|_| stopped())?;
-        result.await.map_err(|_| stopped())?
+        Ok(result)
     }
 }
 
-fn stopped() -> StoreError {
+pub(super) fn stopped() -> StoreError {
     StoreError::Sqlite("the store thread has stopped".into())
 }
 
@@ -300,10 +310,10 @@ impl Backend for SqliteStore {
             .await
     }
 
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+    fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {
         let (prior_sql, claim_sql) = (self.sql.prior.clone(), self.sql.claim.clone());
         let request = request.clone();
-        self.call_grouped(move |connection| {
+        self.queue_grouped(move |connection| {
             let now = now_ms();
             let lease_ms = i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX);
             let source: &str = &request.source;
@@ -334,7 +344,6 @@ impl Backend for SqliteStore {
                 .optional()?;
             Ok(classify(won, prior, &request.payload_sha256, now))
         })
-        .await
     }
 
     async fn settle(

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dedupe_proxy::config::StoreConfig;
-use dedupe_proxy::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
+use dedupe_proxy::store::{
+    Claim, ClaimRequest, KeyStatus, SettledStatus, Settlement, Store, StoreError,
+};
 
 use crate::on_both_stores;
 use crate::support::{Backend, Relay, TestStore};
@@ -285,15 +287,7 @@ async fn a_claim_that_loses_to_an_uncommitted_insert_still_compares_bodies() {
     let test_store = TestStore::new(Backend::Postgres).await;
     let store = open(&test_store.url).await;
     let mut first = test_store.postgres().await;
-    let insert = first.transaction().await.unwrap();
-    insert
-        .execute(
-            "INSERT INTO processed_events (source, event_id, status, payload_sha256, lease_expires_at)
-             VALUES ('src', 'r1', 'processing', $1, now() + interval '1 minute')",
-            &[&&[1u8; 32][..]],
-        )
-        .await
-        .unwrap();
+    let insert = insert_uncommitted(&mut first, "r1", [1; 32]).await;
     let duplicate = tokio::spawn({
         let store = store.clone();
         async move { store.claim(&request("r1")).await }
@@ -307,6 +301,72 @@ async fn a_claim_that_loses_to_an_uncommitted_insert_still_compares_bodies() {
             payload_mismatch: true
         }
     );
+}
+
+/// A claim answered `store.timeout` is still decided once its statement
+/// runs; when it wins, nobody forwards it, so it is released at once instead
+/// of holding the key `processing` (and the sender's retries `in-flight`)
+/// until its lease runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_times_out_and_then_wins_is_released() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let config = StoreConfig {
+        url: test_store.url.clone(),
+        timeout: Duration::from_millis(300),
+        ..StoreConfig::default()
+    };
+    let store = Store::open(&config).expect("open store");
+    store.migrate().await.expect("migrate");
+    let mut blocker = test_store.postgres().await;
+    let insert = insert_uncommitted(&mut blocker, "late", [7; 32]).await;
+    let timed_out = store.claim(&request("late")).await;
+    assert!(
+        matches!(timed_out, Err(StoreError::Timeout(_))),
+        "{timed_out:?}"
+    );
+    let observer = test_store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+    insert.rollback().await.unwrap();
+
+    let released = async {
+        loop {
+            let record = store.show("src", "late").await.unwrap();
+            if let Some(record) = record.filter(|r| r.status != KeyStatus::Processing) {
+                return record;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let record = tokio::time::timeout(Duration::from_secs(10), released)
+        .await
+        .expect("the late win is released");
+    assert_eq!((record.status, record.attempts), (KeyStatus::Failed, 1));
+    assert!(
+        matches!(
+            store.claim(&request("late")).await.unwrap(),
+            Claim::Won { attempt: 2, .. }
+        ),
+        "the sender's retry takes the key over"
+    );
+}
+
+/// Inserts `src`/`key` as `processing` in a transaction left open: a claim
+/// of the key waits on it until it commits or rolls back.
+async fn insert_uncommitted<'a>(
+    client: &'a mut tokio_postgres::Client,
+    key: &str,
+    payload_sha256: [u8; 32],
+) -> tokio_postgres::Transaction<'a> {
+    let insert = client.transaction().await.unwrap();
+    insert
+        .execute(
+            "INSERT INTO processed_events (source, event_id, status, payload_sha256, lease_expires_at)
+             VALUES ('src', $1, 'processing', $2, now() + interval '1 minute')",
+            &[&key, &&payload_sha256[..]],
+        )
+        .await
+        .unwrap();
+    insert
 }
 
 /// Counts this database's sessions waiting on a lock until there are
