@@ -133,10 +133,16 @@ impl Pool {
                     // Boxed: connecting takes a large future that most
                     // requests, on a kept-alive connection, would otherwise
                     // carry and copy.
+                    // Out of time before the request left (a TLS handshake
+                    // that never finishes, say): the upstream never saw it,
+                    // so this is a failure to connect (502), not a timeout.
                     let sender = tokio::select! {
                         biased;
                         connected = Box::pin(self.connect()) => connected?,
-                        () = &mut deadline => return Err(UpstreamError::Timeout(self.timeout)),
+                        () = &mut deadline => return Err(UpstreamError::Connect(format!(
+                            "no connection within upstream.timeout ({})",
+                            humantime::format_duration(self.timeout)
+                        ))),
                     };
                     (sender, deadline, false)
                 }
@@ -467,5 +473,30 @@ mod tests {
         let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
         let error = pool.send(get()).await.unwrap_err();
         assert!(matches!(error, UpstreamError::Connect(_)), "{error:?}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_not_made_within_the_timeout_is_a_connect_error() {
+        // Accepts, then never answers the TLS handshake.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let _held = tokio::spawn(async move {
+            let mut accepted = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                accepted.push(stream);
+            }
+        });
+        let config = UpstreamConfig {
+            url: url.clone(),
+            timeout: Duration::from_millis(200),
+            ..Default::default()
+        };
+        tls::install_crypto_provider();
+        let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
+        let error = pool.send(get()).await.unwrap_err();
+        assert!(
+            matches!(&error, UpstreamError::Connect(message) if message.contains("200ms")),
+            "{error:?}"
+        );
     }
 }
