@@ -35,9 +35,15 @@ const WRITE_PAUSE: Duration = Duration::from_millis(5);
 /// until exit: dropping it flushes the lines not yet written.
 #[must_use = "dropping the guard stops the log writer"]
 pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(log_level))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let configured = || EnvFilter::try_new(log_level).unwrap_or_else(|_| EnvFilter::new("info"));
+    let rust_log = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|value| !value.is_empty());
+    let (filter, unusable) = match rust_log.map(|value| (EnvFilter::try_new(&value), value)) {
+        Some((Ok(filter), _)) => (filter, None),
+        Some((Err(error), value)) => (configured(), Some((value, error))),
+        None => (configured(), None),
+    };
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .lossy(false)
         .buffered_lines_limit(BUFFERED_LINES)
@@ -50,6 +56,9 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    if let Some((value, error)) = unusable {
+        tracing::warn!(rust_log = %value, %error, "RUST_LOG is not a log filter; using log_level");
+    }
     guard
 }
 

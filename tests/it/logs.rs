@@ -123,7 +123,8 @@ async fn store_errors_are_logged_with_the_servers_message() {
     );
 }
 
-/// `log_level` filters when `RUST_LOG` is unset; when set, `RUST_LOG` wins.
+/// `log_level` filters when `RUST_LOG` is unset; when set, `RUST_LOG` wins,
+/// unless it is not a filter, which is reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rust_log_wins_over_the_configured_log_level() {
     let store = TestStore::new(Backend::Sqlite).await;
@@ -151,6 +152,20 @@ async fn rust_log_wins_over_the_configured_log_level() {
     assert_eq!(deliver(&overridden, "evt_b").await.outcome(), "forwarded");
     overridden.terminate();
     assert_eq!(webhook_lines(&overridden.all_log_lines().await), 1);
+
+    // An unusable RUST_LOG is reported, and log_level filters instead.
+    let mut unusable = ProxyProcess::start_with_log_filter(&config, "info,[unclosed").await;
+    assert_eq!(deliver(&unusable, "evt_c").await.outcome(), "forwarded");
+    unusable.terminate();
+    let lines = unusable.all_log_lines().await;
+    assert_eq!(webhook_lines(&lines), 0, "{lines:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|line| line.contains("RUST_LOG is not a log filter")
+                && line.contains(r#""rust_log":"info,[unclosed""#)),
+        "{lines:?}"
+    );
 }
 
 /// `--log-format text` gives human-readable lines, not JSON.
