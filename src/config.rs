@@ -678,21 +678,22 @@ impl Config {
     /// covers would never see a request: its keys, metrics and settings
     /// would silently go unused.
     fn validate_route_overlap(&self, problems: &mut Vec<String>) {
-        let methods = |route: &RouteConfig| -> Vec<String> {
-            route
-                .methods
-                .iter()
-                .map(|m| m.to_ascii_uppercase())
-                .collect()
-        };
+        let methods: Vec<std::collections::HashSet<String>> = self
+            .routes
+            .iter()
+            .map(|route| {
+                route
+                    .methods
+                    .iter()
+                    .map(|m| m.to_ascii_uppercase())
+                    .collect()
+            })
+            .collect();
         for (index, route) in self.routes.iter().enumerate() {
-            let shadowed_by = self.routes[..index].iter().position(|earlier| {
-                let same_path = match (&route.path, &earlier.path) {
-                    (Some(path), Some(earlier)) => path == earlier,
-                    (None, None) => route.path_prefix == earlier.path_prefix,
-                    _ => false,
-                };
-                same_path && methods(route).iter().any(|m| methods(earlier).contains(m))
+            let shadowed_by = (0..index).find(|&earlier| {
+                let other = &self.routes[earlier];
+                (&route.path, &route.path_prefix) == (&other.path, &other.path_prefix)
+                    && !methods[index].is_disjoint(&methods[earlier])
             });
             if let Some(earlier) = shadowed_by {
                 let field = if route.path.is_some() {

@@ -36,13 +36,12 @@ const WRITE_PAUSE: Duration = Duration::from_millis(5);
 #[must_use = "dropping the guard stops the log writer"]
 pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
     let configured = || EnvFilter::try_new(log_level).unwrap_or_else(|_| EnvFilter::new("info"));
-    let rust_log = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|value| !value.is_empty());
-    let (filter, unusable) = match rust_log.map(|value| (EnvFilter::try_new(&value), value)) {
-        Some((Ok(filter), _)) => (filter, None),
-        Some((Err(error), value)) => (configured(), Some((value, error))),
-        None => (configured(), None),
+    let (filter, unusable) = match std::env::var("RUST_LOG") {
+        Ok(value) if !value.is_empty() => match EnvFilter::try_new(&value) {
+            Ok(filter) => (filter, None),
+            Err(error) => (configured(), Some((value, error))),
+        },
+        _ => (configured(), None),
     };
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .lossy(false)

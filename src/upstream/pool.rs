@@ -130,15 +130,16 @@ impl Pool {
                     // connection it was made with, so that both belong to
                     // the runtime driving that connection.
                     let mut deadline = Box::pin(tokio::time::sleep_until(until));
-                    // Boxed: connecting takes a large future that most
-                    // requests, on a kept-alive connection, would otherwise
-                    // carry and copy.
-                    // Out of time before the request left (a TLS handshake
-                    // that never finishes, say): the upstream never saw it,
-                    // so this is a failure to connect (502), not a timeout.
                     let sender = tokio::select! {
                         biased;
+                        // Boxed: connecting takes a large future that most
+                        // requests, on a kept-alive connection, would
+                        // otherwise carry and copy.
                         connected = Box::pin(self.connect()) => connected?,
+                        // Out of time before the request left (a TLS
+                        // handshake that never finishes, say): the upstream
+                        // never saw it, so this is a failure to connect
+                        // (502), not a timeout.
                         () = &mut deadline => return Err(UpstreamError::Connect(format!(
                             "no connection within upstream.timeout ({})",
                             humantime::format_duration(self.timeout)
