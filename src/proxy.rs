@@ -82,6 +82,8 @@ struct Checked {
 struct Won {
     request: ClaimRequest,
     attempt: i32,
+    /// The store holds another body for the key's first delivery.
+    payload_mismatch: bool,
 }
 
 /// What the per-webhook log line reports besides the outcome.
@@ -285,14 +287,20 @@ impl Proxy {
             }
         };
         trace.key = Some(key.clone());
+        let payload_sha256: [u8; 32] = Sha256::digest(body).into();
         // Our own claim on the key has an outcome the store has not taken yet
         // (it was down): past the claim's lease the store would hand the key
         // to this retry, and the event would be forwarded again.
-        if self.open_claims.has_unwritten_outcome(&route.name, &key) {
+        if let Some(unwritten) = self.open_claims.unwritten_outcome(&route.name, &key) {
             let in_flight = Claim::InFlight {
-                payload_mismatch: false,
+                payload_mismatch: unwritten.payload_mismatch(&payload_sha256),
             };
             self.count_claim(route, &key, &in_flight);
+            if in_flight.payload_mismatch()
+                && route.on_payload_mismatch == OnPayloadMismatch::Reject
+            {
+                return Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch));
+            }
             return Decision::Answer(Answer::InFlight(
                 route.in_flight_status,
                 route.in_flight_retry_after,
@@ -301,7 +309,7 @@ impl Proxy {
         let request = ClaimRequest {
             source: Arc::clone(&route.name),
             key,
-            payload_sha256: Sha256::digest(body).into(),
+            payload_sha256,
             lease: self.settings.lease,
         };
         let claimed_at = Instant::now();
@@ -334,7 +342,11 @@ impl Proxy {
                 Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch))
             }
             _ if reject_mismatch => Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch)),
-            Claim::Won { attempt, .. } => {
+            Claim::Won {
+                attempt,
+                payload_mismatch,
+                ..
+            } => {
                 trace.attempt = Some(attempt);
                 if self.lease_left_too_short(claimed_at) {
                     let settle_started = Instant::now();
@@ -345,7 +357,11 @@ impl Proxy {
                         self.settings.retry_after,
                     ));
                 }
-                Decision::Claimed(Won { request, attempt })
+                Decision::Claimed(Won {
+                    request,
+                    attempt,
+                    payload_mismatch,
+                })
             }
             Claim::Done { .. } => Decision::Answer(Answer::Duplicate(route.duplicate_status)),
             Claim::InFlight { .. } => Decision::Answer(Answer::InFlight(
@@ -387,11 +403,15 @@ impl Proxy {
         let Won {
             request: claim,
             attempt,
+            payload_mismatch,
         } = won;
         let guard = self.open_claims.register(OpenClaim {
             source: Arc::clone(&claim.source),
             key: claim.key.clone(),
             attempt,
+            // The store keeps the first delivery's hash, which this body's is
+            // unless the store said otherwise.
+            first_payload_sha256: (!payload_mismatch).then_some(claim.payload_sha256),
             outcome: None,
         });
         let dedupe = DedupeHeaders {

@@ -1,6 +1,8 @@
 //! Claims this process has won and not yet settled. While one has an outcome
 //! the store has not taken yet (it was down), its key is not claimed again by
 //! this process: past the lease the store would hand the key to a retry.
+//! Such a retry is compared with the key's first body where this process
+//! knows it, as the store would compare it.
 //! Shutdown settles what is left: the known outcome when the upstream
 //! answered but the write failed, otherwise `failed`, so senders' retries go
 //! through at once instead of waiting for the lease.
@@ -22,6 +24,8 @@ pub struct OpenClaim {
     pub key: String,
     /// The fencing token.
     pub attempt: i32,
+    /// The SHA-256 of the key's first delivery, when this process knows it.
+    pub first_payload_sha256: Option<[u8; 32]>,
     /// The outcome, once the upstream has answered.
     pub outcome: Option<Settlement>,
 }
@@ -36,8 +40,31 @@ pub struct OpenClaims {
 #[derive(Default)]
 struct Registry {
     claims: HashMap<u64, OpenClaim>,
-    /// How many open claims with a known outcome each key (by route) has.
-    decided: HashMap<Arc<str>, HashMap<String, usize>>,
+    /// The open claims with a known outcome, by route and key.
+    decided: HashMap<Arc<str>, HashMap<String, Decided>>,
+}
+
+/// The open claims of one key whose outcome is known.
+#[derive(Default)]
+struct Decided {
+    count: usize,
+    first_payload_sha256: Option<[u8; 32]>,
+}
+
+/// A key with an open claim whose outcome the store has not taken yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnwrittenOutcome {
+    first_payload_sha256: Option<[u8; 32]>,
+}
+
+impl UnwrittenOutcome {
+    /// Whether a delivery whose body hashes to `payload_sha256` differs from
+    /// the key's first delivery. Unknown first bodies count as the same:
+    /// only the store could tell.
+    pub fn payload_mismatch(&self, payload_sha256: &[u8; 32]) -> bool {
+        self.first_payload_sha256
+            .is_some_and(|first| first != *payload_sha256)
+    }
 }
 
 impl Registry {
@@ -46,12 +73,17 @@ impl Registry {
             return;
         };
         if claim.outcome.replace(outcome).is_none() {
-            *self
+            let decided = self
                 .decided
                 .entry(Arc::clone(&claim.source))
                 .or_default()
                 .entry(claim.key.clone())
-                .or_default() += 1;
+                .or_default();
+            decided.count += 1;
+            // Every claim on a key shares its first delivery: retries never
+            // change the stored hash.
+            decided.first_payload_sha256 =
+                decided.first_payload_sha256.or(claim.first_payload_sha256);
         }
     }
 
@@ -61,9 +93,9 @@ impl Registry {
             return Some(claim);
         }
         if let Some(keys) = self.decided.get_mut(&claim.source) {
-            if let Some(count) = keys.get_mut(&claim.key) {
-                *count -= 1;
-                if *count == 0 {
+            if let Some(decided) = keys.get_mut(&claim.key) {
+                decided.count -= 1;
+                if decided.count == 0 {
                     keys.remove(&claim.key);
                 }
             }
@@ -113,11 +145,12 @@ impl OpenClaims {
 
     /// Whether this process holds a claim on `key` of `source` whose
     /// outcome is known but not yet written.
-    pub fn has_unwritten_outcome(&self, source: &str, key: &str) -> bool {
-        self.lock()
-            .decided
-            .get(source)
-            .is_some_and(|keys| keys.contains_key(key))
+    pub fn unwritten_outcome(&self, source: &str, key: &str) -> Option<UnwrittenOutcome> {
+        let registry = self.lock();
+        let decided = registry.decided.get(source)?.get(key)?;
+        Some(UnwrittenOutcome {
+            first_payload_sha256: decided.first_payload_sha256,
+        })
     }
 
     /// Whether no claim is open.
@@ -195,13 +228,21 @@ impl Drop for ClaimGuard {
 mod tests {
     use super::*;
 
+    const FIRST: [u8; 32] = [1; 32];
+    const OTHER: [u8; 32] = [2; 32];
+
     fn claim(key: &str) -> OpenClaim {
         OpenClaim {
             source: Arc::from("orders"),
             key: key.into(),
             attempt: 1,
+            first_payload_sha256: Some(FIRST),
             outcome: None,
         }
+    }
+
+    fn has_unwritten_outcome(claims: &OpenClaims, source: &str, key: &str) -> bool {
+        claims.unwritten_outcome(source, key).is_some()
     }
 
     #[test]
@@ -210,19 +251,45 @@ mod tests {
         let first = claims.register(claim("k"));
         let second = claims.register(claim("k"));
         assert!(
-            !claims.has_unwritten_outcome("orders", "k"),
+            !has_unwritten_outcome(&claims, "orders", "k"),
             "at the upstream"
         );
         first.set_outcome(Settlement::RELEASED);
         first.set_outcome(Settlement::RELEASED);
         second.set_outcome(Settlement::RELEASED);
-        assert!(claims.has_unwritten_outcome("orders", "k"));
-        assert!(!claims.has_unwritten_outcome("orders", "other"));
-        assert!(!claims.has_unwritten_outcome("other", "k"));
+        assert!(has_unwritten_outcome(&claims, "orders", "k"));
+        assert!(!has_unwritten_outcome(&claims, "orders", "other"));
+        assert!(!has_unwritten_outcome(&claims, "other", "k"));
         drop(first);
-        assert!(claims.has_unwritten_outcome("orders", "k"));
+        assert!(has_unwritten_outcome(&claims, "orders", "k"));
         drop(second);
-        assert!(!claims.has_unwritten_outcome("orders", "k"));
+        assert!(!has_unwritten_outcome(&claims, "orders", "k"));
         assert!(claims.is_empty());
+    }
+
+    #[test]
+    fn a_retry_is_compared_with_the_first_body_when_it_is_known() {
+        let claims = Arc::new(OpenClaims::default());
+        let known = claims.register(claim("known"));
+        known.set_outcome(Settlement::RELEASED);
+        let unwritten = claims.unwritten_outcome("orders", "known").unwrap();
+        assert!(!unwritten.payload_mismatch(&FIRST));
+        assert!(unwritten.payload_mismatch(&OTHER));
+
+        // Won with another body than the stored one: the first is unknown.
+        let unknown = claims.register(OpenClaim {
+            first_payload_sha256: None,
+            ..claim("unknown")
+        });
+        unknown.set_outcome(Settlement::RELEASED);
+        let unwritten = claims.unwritten_outcome("orders", "unknown").unwrap();
+        assert!(!unwritten.payload_mismatch(&FIRST));
+        assert!(!unwritten.payload_mismatch(&OTHER));
+
+        // One claim of the key that knows the first body is enough.
+        let knowing = claims.register(claim("unknown"));
+        knowing.set_outcome(Settlement::RELEASED);
+        let unwritten = claims.unwritten_outcome("orders", "unknown").unwrap();
+        assert!(unwritten.payload_mismatch(&OTHER));
     }
 }

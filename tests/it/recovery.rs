@@ -1,6 +1,7 @@
 //! Recovery without a restart: store connections terminated mid-traffic, an
 //! upstream restarted on the same port behind pooled keep-alive connections,
-//! and a settle that outlives a store outage longer than the lease.
+//! a settle that outlives a store outage longer than the lease, and retries
+//! answered while an outcome waits for the store.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,6 +9,8 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+
+use dedupe_proxy::config::OnPayloadMismatch;
 
 use crate::support::{Backend, Relay, TestApp, TestStore, Upstream};
 
@@ -143,6 +146,51 @@ async fn a_settle_that_failed_is_written_when_the_store_returns_after_the_lease(
         .await
         .expect("the known outcome is written once the store answers");
     assert_eq!(app.deliver("evt_outage", "{}").await.outcome(), "duplicate");
+    assert_eq!(app.upstream.count(), 1, "acted on once");
+}
+
+/// While the store is down and this replica holds an outcome it could not
+/// write, a retry of the key is answered without the store, and its body is
+/// still compared with the first delivery's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_during_an_unwritten_settle_is_compared_with_the_first_body() {
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let relay = Relay::start(store.postgres_addr(), true).await;
+    let url = store.url_via(relay.addr);
+    let app = TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.url = url;
+        config.store.timeout = Duration::from_millis(300);
+        config.routes[0].on_payload_mismatch = Some(OnPayloadMismatch::Reject);
+    })
+    .await;
+    let response = app.deliver_answered_after("evt_gap", relay.cut()).await;
+    assert_eq!((response.status, response.outcome()), (200, "forwarded"));
+
+    let changed = app.deliver("evt_gap", r#"{"n":2}"#).await;
+    assert_eq!((changed.status, changed.outcome()), (422, "rejected"));
+    let same = app.deliver("evt_gap", "{}").await;
+    assert_eq!((same.status, same.outcome()), (409, "in-flight"));
+    assert_eq!(app.upstream.count(), 1, "neither retry is forwarded");
+    let metrics = app.admin_get("/metrics").await.body;
+    for line in [
+        r#"dedupe_payload_mismatch_total{route="orders"} 1"#,
+        r#"dedupe_claims_total{result="lost_in_flight",route="orders"} 2"#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} missing from\n{metrics}"
+        );
+    }
+
+    relay.restore();
+    let settled = async {
+        while app.deliver("evt_gap", "{}").await.outcome() != "duplicate" {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), settled)
+        .await
+        .expect("the outcome is written once the store answers");
     assert_eq!(app.upstream.count(), 1, "acted on once");
 }
 
