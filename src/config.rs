@@ -10,6 +10,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+mod duration;
+
+pub use duration::format as format_duration;
+
 use crate::provider::{Handshake, Provider};
 use crate::secret::SecretRef;
 use crate::verify::{DEFAULT_TOLERANCE, SignatureConfig};
@@ -48,7 +52,7 @@ pub struct Config {
     #[serde(default)]
     pub limits: Limits,
     /// How long in-flight requests may run after SIGTERM/SIGINT.
-    #[serde(default = "default_shutdown_grace", with = "humantime_serde")]
+    #[serde(default = "default_shutdown_grace", with = "duration")]
     pub shutdown_grace: Duration,
     /// Per-route behaviour that routes inherit unless they override it.
     #[serde(default)]
@@ -80,10 +84,10 @@ pub struct UpstreamConfig {
     pub url: String,
     /// Longest wait for the upstream's response headers; past it the sender
     /// gets 504 and the claim is settled `failed`.
-    #[serde(default = "default_upstream_timeout", with = "humantime_serde")]
+    #[serde(default = "default_upstream_timeout", with = "duration")]
     pub timeout: Duration,
     /// Longest wait for a TCP connection to the upstream.
-    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    #[serde(default = "default_connect_timeout", with = "duration")]
     pub connect_timeout: Duration,
     /// CA bundle (PEM) for `https://` upstreams instead of the system roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -113,15 +117,15 @@ pub struct StoreConfig {
     pub table: String,
     /// How long a claim stays exclusively owned while its request is in
     /// flight. Must exceed `upstream.timeout`.
-    #[serde(default = "default_lease", with = "humantime_serde")]
+    #[serde(default = "default_lease", with = "duration")]
     pub lease: Duration,
     /// How long keys are kept after their first delivery (routes may override).
-    #[serde(default = "default_retention", with = "humantime_serde")]
+    #[serde(default = "default_retention", with = "duration")]
     pub retention: Duration,
     /// How often each replica deletes keys past their retention, starting
     /// one interval after start-up. On PostgreSQL a replica that finds
     /// another one pruning skips its turn.
-    #[serde(default = "default_prune_interval", with = "humantime_serde")]
+    #[serde(default = "default_prune_interval", with = "duration")]
     pub prune_interval: Duration,
     /// Maximum connections to PostgreSQL.
     #[serde(default = "default_pool_size")]
@@ -131,10 +135,10 @@ pub struct StoreConfig {
     pub on_unavailable: OnUnavailable,
     /// Longest time any single store operation may take before the store
     /// counts as unavailable.
-    #[serde(default = "default_store_timeout", with = "humantime_serde")]
+    #[serde(default = "default_store_timeout", with = "duration")]
     pub timeout: Duration,
     /// `Retry-After` sent with 503 answers.
-    #[serde(default = "default_retry_after", with = "humantime_serde")]
+    #[serde(default = "default_retry_after", with = "duration")]
     pub retry_after: Duration,
     /// Create or upgrade the schema at start-up.
     #[serde(default = "default_true")]
@@ -191,11 +195,11 @@ pub struct Limits {
     pub max_concurrent_requests: usize,
     /// Longest time a client may take to send its request headers; slower
     /// connections are closed (slowloris protection).
-    #[serde(default = "default_read_timeout", with = "humantime_serde")]
+    #[serde(default = "default_read_timeout", with = "duration")]
     pub header_read_timeout: Duration,
     /// Longest time a client may take to send a matched request's body;
     /// slower requests get 408.
-    #[serde(default = "default_read_timeout", with = "humantime_serde")]
+    #[serde(default = "default_read_timeout", with = "duration")]
     pub body_read_timeout: Duration,
 }
 
@@ -227,7 +231,7 @@ pub struct RouteDefaults {
     #[serde(default = "default_in_flight_status")]
     pub in_flight_status: u16,
     /// `Retry-After` sent with the in-flight answer.
-    #[serde(default = "default_in_flight_retry_after", with = "humantime_serde")]
+    #[serde(default = "default_in_flight_retry_after", with = "duration")]
     pub in_flight_retry_after: Duration,
     /// What to do when a route needs a key and the request has none.
     #[serde(default)]
@@ -328,7 +332,7 @@ pub struct RouteConfig {
     /// How far a signed timestamp may be from the local clock, either way.
     #[serde(
         default,
-        with = "humantime_serde",
+        with = "duration::option",
         skip_serializing_if = "Option::is_none"
     )]
     pub tolerance: Option<Duration>,
@@ -342,7 +346,7 @@ pub struct RouteConfig {
     /// How long this route's keys are kept (default `store.retention`).
     #[serde(
         default,
-        with = "humantime_serde",
+        with = "duration::option",
         skip_serializing_if = "Option::is_none"
     )]
     pub retention: Option<Duration>,
@@ -358,7 +362,7 @@ pub struct RouteConfig {
     /// Overrides `defaults.in_flight_retry_after`.
     #[serde(
         default,
-        with = "humantime_serde",
+        with = "duration::option",
         skip_serializing_if = "Option::is_none"
     )]
     pub in_flight_retry_after: Option<Duration>,
@@ -585,8 +589,8 @@ impl Config {
             self.store.lease > self.upstream.timeout,
             format!(
                 "store.lease: {} must exceed upstream.timeout ({}), or a slow upstream call would outlive its claim",
-                humantime::format_duration(self.store.lease),
-                humantime::format_duration(self.upstream.timeout)
+                duration::format(self.store.lease),
+                duration::format(self.upstream.timeout)
             ),
         );
         check(
@@ -1358,7 +1362,7 @@ mod tests {
         assert!(
             warnings
                 .iter()
-                .any(|w| w.starts_with("routes[2] (short).retention") && w.contains("30days")),
+                .any(|w| w.starts_with("routes[2] (short).retention") && w.contains("30d")),
             "{warnings:?}"
         );
         assert!(parse(ROUTE).unwrap().warnings().is_empty());

@@ -116,9 +116,9 @@ impl Provider {
         (retention < horizon).then(|| {
             format!(
                 "retention {} is shorter than {}'s retry horizon of {}: a retry arriving later would be processed again",
-                humantime::format_duration(retention),
+                crate::config::format_duration(retention),
                 self.name(),
-                humantime::format_duration(horizon),
+                crate::config::format_duration(horizon),
             )
         })
     }
@@ -338,7 +338,7 @@ mod tests {
         let warning = Provider::Stripe.retention_warning(Duration::from_secs(DAY));
         let warning = warning.unwrap();
         assert!(
-            warning.contains("stripe") && warning.contains("30days"),
+            warning.contains("stripe") && warning.contains("30d"),
             "{warning}"
         );
         let hour = Duration::from_secs(HOUR);

@@ -142,7 +142,7 @@ impl Pool {
                         // (502), not a timeout.
                         () = &mut deadline => return Err(UpstreamError::Connect(format!(
                             "no connection within upstream.timeout ({})",
-                            humantime::format_duration(self.timeout)
+                            crate::config::format_duration(self.timeout)
                         ))),
                     };
                     (sender, deadline, false)

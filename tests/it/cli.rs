@@ -210,7 +210,7 @@ fn check_config_prints_the_effective_config_with_the_password_redacted() {
     let printed: serde_yaml::Value = serde_yaml::from_str(&out.stdout).unwrap();
     assert_eq!(printed["store"]["lease"].as_str(), Some("5m"));
     assert_eq!(printed["routes"][0]["duplicate_status"].as_u64(), Some(200));
-    assert_eq!(printed["routes"][0]["retention"].as_str(), Some("7days"));
+    assert_eq!(printed["routes"][0]["retention"].as_str(), Some("7d"));
     assert!(!out.stdout.contains("hunter2"), "{}", out.stdout);
     assert!(out.stdout.contains("REDACTED"));
 }
@@ -232,7 +232,7 @@ store:
   url: sqlite://dedupe.db
   table: processed_events
   lease: 5m
-  retention: 7days
+  retention: 7d
   prune_interval: 10m
   pool_size: 16
   on_unavailable: reject
@@ -266,7 +266,7 @@ unmatched: forward
     }
     let own: serde_yaml::Value = serde_yaml::from_str(
         "{ name: orders, path: /hooks/orders, methods: [POST], key: { header: X-Event-Id },
-           tolerance: 5m, mode: enforce, retention: 7days }",
+           tolerance: 5m, mode: enforce, retention: 7d }",
     )
     .unwrap();
     assert_eq!(&serde_yaml::Value::from(route.clone()), &own);
