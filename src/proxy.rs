@@ -135,6 +135,16 @@ impl Proxy {
         &self.store
     }
 
+    /// Counts a request that hyper answered itself before it reached
+    /// [`Proxy::handle`]: one it could not parse, or over the header limits
+    /// (400, 414, 431). It was never routed, so it counts as unmatched.
+    pub fn count_unparsable_request(&self) {
+        self.metrics
+            .requests
+            .with_label_values(&[UNMATCHED_ROUTE, answer::REJECTED_BAD_REQUEST])
+            .inc();
+    }
+
     /// Handles one request on the webhook listener.
     pub async fn handle(
         self: &Arc<Self>,

@@ -80,6 +80,9 @@ pub enum Unavailable {
     Overloaded,
 }
 
+/// The `outcome` of a request refused as malformed.
+pub(super) const REJECTED_BAD_REQUEST: &str = "rejected_bad_request";
+
 impl Answer {
     /// The `outcome` label of `dedupe_requests_total`.
     pub fn metric_outcome(&self) -> &'static str {
@@ -96,7 +99,7 @@ impl Answer {
             // documented values.
             Answer::Rejected(
                 Rejection::BadRequest(_) | Rejection::Timeout | Rejection::NoRoute,
-            ) => "rejected_bad_request",
+            ) => REJECTED_BAD_REQUEST,
             Answer::Rejected(Rejection::Signature(_)) => "rejected_signature",
             Answer::Rejected(Rejection::TooLarge(_)) => "rejected_too_large",
             Answer::Rejected(Rejection::PayloadMismatch) => "rejected_payload_mismatch",

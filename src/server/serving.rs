@@ -229,6 +229,7 @@ async fn serve(
             }
         };
         let proxy = Arc::clone(&proxy);
+        let counter = Arc::clone(&proxy);
         let peer = Peer::new(addr, tls.is_some());
         let service = service_fn(move |request| {
             let (proxy, peer) = (Arc::clone(&proxy), peer.clone());
@@ -250,7 +251,7 @@ async fn serve(
                     tracing::debug!(%addr, "no request began within the header read timeout");
                     return;
                 };
-                http.serve(TokioIo::new(stream), protocol, service, &closing)
+                http.serve(TokioIo::new(stream), protocol, service, &closing, &counter)
                     .await;
                 drop(counted);
             }),
@@ -268,7 +269,7 @@ async fn serve(
                     Some(b"h2") => Protocol::Http2,
                     _ => Protocol::Http1,
                 };
-                http.serve(TokioIo::new(stream), protocol, service, &closing)
+                http.serve(TokioIo::new(stream), protocol, service, &closing, &counter)
                     .await;
                 drop(counted);
             }),
@@ -330,8 +331,14 @@ struct Http {
 
 impl Http {
     /// Serves the connection until it ends, and logs an end in error.
-    async fn serve<I, S>(&self, io: I, protocol: Protocol, service: S, closing: &Closing)
-    where
+    async fn serve<I, S>(
+        &self,
+        io: I,
+        protocol: Protocol,
+        service: S,
+        closing: &Closing,
+        proxy: &Proxy,
+    ) where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
         S: HttpService<Incoming, ResBody = Body, Error = Infallible> + Send + 'static,
         S::Future: Send + 'static,
@@ -348,8 +355,15 @@ impl Http {
                 Box::pin(closing.watch(self.http2.serve_connection(io, service))).await
             }
         };
-        if let Err(error) = served {
-            tracing::debug!(%error, "webhook connection ended with an error");
+        match served {
+            Ok(()) => {}
+            // hyper has answered it (400, 414 or 431) and closes the
+            // connection; the request never reached the proxy's handler.
+            Err(error) if error.is_parse() => {
+                proxy.count_unparsable_request();
+                tracing::debug!(%error, "request refused: malformed or over the header limits");
+            }
+            Err(error) => tracing::debug!(%error, "webhook connection ended with an error"),
         }
     }
 }
