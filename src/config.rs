@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 mod duration;
+mod locate;
 
 pub use duration::format as format_duration;
 
@@ -505,15 +506,29 @@ impl Config {
         let store_url = std::env::var(STORE_URL_ENV)
             .ok()
             .filter(|url| !url.is_empty());
+        let url_overridden = store_url.is_some();
         Self::from_yaml_with(&text, store_url, secrets).map_err(|problem| match problem {
             Problem::Parse(message) => ConfigError::Parse {
                 path: path.to_owned(),
                 message,
             },
-            Problem::Invalid(problems) => ConfigError::Invalid {
-                path: path.to_owned(),
-                problems,
-            },
+            Problem::Invalid(problems) => {
+                let lines = locate::Lines::of(&text);
+                ConfigError::Invalid {
+                    path: path.to_owned(),
+                    problems: problems
+                        .into_iter()
+                        // An overriding URL is not in the file.
+                        .map(|problem| {
+                            if url_overridden && problem.starts_with("store.url") {
+                                problem
+                            } else {
+                                lines.annotate(problem)
+                            }
+                        })
+                        .collect(),
+                }
+            }
         })
     }
 

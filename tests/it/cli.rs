@@ -318,7 +318,26 @@ fn configuration_errors_exit_2_naming_the_field() {
         &[],
     );
     assert_eq!(invalid.code, 2);
-    assert!(invalid.stderr.contains("store.lease"), "{}", invalid.stderr);
+    assert!(
+        invalid
+            .stderr
+            .contains("store.lease (line 1): 10s must exceed"),
+        "{}",
+        invalid.stderr
+    );
+    let route = run(
+        &["check-config"],
+        Some("routes:\n  - name: a\n    path: hooks/a\n    key: { header: X-Id }\n"),
+        &[],
+    );
+    assert_eq!(route.code, 2);
+    assert!(
+        route
+            .stderr
+            .contains("routes[0] (a).path (line 3): must start with `/`"),
+        "{}",
+        route.stderr
+    );
     let missing = run(&["check-config"], None, &[]);
     assert_eq!(missing.code, 2);
     assert!(missing.stderr.contains("--config"), "{}", missing.stderr);
@@ -354,6 +373,18 @@ fn config_may_come_from_the_environment_and_follow_the_subcommand() {
     );
     let before = run(&["--config", path, "check-config"], None, &[]);
     assert_eq!(before.code, 0, "{}", before.stderr);
+    // A bad overriding URL is not placed on the file's line.
+    let bad = run(
+        &["check-config"],
+        None,
+        &[("DEDUPE_CONFIG", path), ("DEDUPE_STORE_URL", "mysql://x")],
+    );
+    assert_eq!(bad.code, 2);
+    assert!(
+        bad.stderr.contains("store.url: `mysql://x`"),
+        "{}",
+        bad.stderr
+    );
 }
 
 #[test]
