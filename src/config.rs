@@ -506,29 +506,15 @@ impl Config {
         let store_url = std::env::var(STORE_URL_ENV)
             .ok()
             .filter(|url| !url.is_empty());
-        let url_overridden = store_url.is_some();
         Self::from_yaml_with(&text, store_url, secrets).map_err(|problem| match problem {
             Problem::Parse(message) => ConfigError::Parse {
                 path: path.to_owned(),
                 message,
             },
-            Problem::Invalid(problems) => {
-                let lines = locate::Lines::of(&text);
-                ConfigError::Invalid {
-                    path: path.to_owned(),
-                    problems: problems
-                        .into_iter()
-                        // An overriding URL is not in the file.
-                        .map(|problem| {
-                            if url_overridden && problem.starts_with("store.url") {
-                                problem
-                            } else {
-                                lines.annotate(problem)
-                            }
-                        })
-                        .collect(),
-                }
-            }
+            Problem::Invalid(problems) => ConfigError::Invalid {
+                path: path.to_owned(),
+                problems,
+            },
         })
     }
 
@@ -549,15 +535,28 @@ impl Config {
             serde_yaml::from_str(text)
         }
         .map_err(|error| Problem::Parse(error.to_string()))?;
+        let url_overridden = store_url.is_some();
         if let Some(url) = store_url {
             config.store.url = url;
         }
         let problems = config.validate_with(secrets);
         if problems.is_empty() {
-            Ok(config)
-        } else {
-            Err(Problem::Invalid(problems))
+            return Ok(config);
         }
+        let lines = locate::Lines::of(text);
+        Err(Problem::Invalid(
+            problems
+                .into_iter()
+                // An overriding URL is not in the file.
+                .map(|problem| {
+                    if url_overridden && problem.starts_with("store.url") {
+                        problem
+                    } else {
+                        lines.annotate(problem)
+                    }
+                })
+                .collect(),
+        ))
     }
 
     /// Every cross-field and value problem, each naming its field.
@@ -1098,7 +1097,7 @@ mod tests {
         assert!(
             problems
                 .iter()
-                .any(|p| p.starts_with("log_level: `verbose`")),
+                .any(|p| p.starts_with("log_level (line 1): `verbose`")),
             "{problems:?}"
         );
         for accepted in [
@@ -1121,7 +1120,9 @@ mod tests {
         ] {
             let problems = problems(&format!("listen: '{listen}'\nadmin_listen: '{admin}'"));
             assert!(
-                problems.iter().any(|p| p.starts_with("admin_listen:")),
+                problems
+                    .iter()
+                    .any(|p| p.starts_with("admin_listen (line 2):")),
                 "{listen} {admin}: {problems:?}"
             );
         }
@@ -1146,11 +1147,11 @@ mod tests {
         );
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert!(
-            problems[0].starts_with("routes[1] (b).path: routes[0] (a)"),
+            problems[0].starts_with("routes[1] (b).path (line 3): routes[0] (a)"),
             "{problems:?}"
         );
         assert!(
-            problems[1].starts_with("routes[3] (d).path_prefix: routes[2] (c)"),
+            problems[1].starts_with("routes[3] (d).path_prefix (line 5): routes[2] (c)"),
             "{problems:?}"
         );
         let config = parse(
@@ -1391,13 +1392,13 @@ mod tests {
         assert!(
             problems
                 .iter()
-                .any(|p| p.starts_with("tls: /nonexistent/tls.crt")),
+                .any(|p| p.starts_with("tls (line 1): /nonexistent/tls.crt")),
             "{problems:?}"
         );
         assert!(
             problems
                 .iter()
-                .any(|p| p.starts_with("upstream.ca_file: /nonexistent/ca.pem")),
+                .any(|p| p.starts_with("upstream.ca_file (line 2): /nonexistent/ca.pem")),
             "{problems:?}"
         );
     }
@@ -1427,7 +1428,7 @@ mod tests {
         assert!(
             problems
                 .iter()
-                .any(|p| p.starts_with("store.table: `dedupe.events` is schema-qualified")),
+                .any(|p| p.starts_with("store.table (line 1): `dedupe.events` is schema-qualified")),
             "{problems:?}"
         );
         parse(&store("postgres://db/app")).unwrap();
