@@ -6,6 +6,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -64,6 +65,9 @@ pub struct Config {
     /// The webhook endpoints to deduplicate.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// Where each field is written in the file, for messages about them.
+    #[serde(skip)]
+    lines: Arc<locate::Lines>,
 }
 
 /// Inbound TLS certificate and key (PEM files).
@@ -539,11 +543,12 @@ impl Config {
         if let Some(url) = store_url {
             config.store.url = url;
         }
+        config.lines = Arc::new(locate::Lines::of(text));
         let problems = config.validate_with(secrets);
         if problems.is_empty() {
             return Ok(config);
         }
-        let lines = locate::Lines::of(text);
+        let lines = &config.lines;
         Err(Problem::Invalid(
             problems
                 .into_iter()
@@ -856,6 +861,9 @@ impl Config {
             }
         }
         warnings
+            .into_iter()
+            .map(|warning| self.lines.annotate(warning))
+            .collect()
     }
 
     /// The route with every inherited field filled in from `defaults` and
@@ -1372,13 +1380,13 @@ mod tests {
         assert!(
             warnings
                 .iter()
-                .any(|w| w.starts_with("routes[1] (literal).secrets")),
+                .any(|w| w.starts_with("routes[1] (literal).secrets (line 3):")),
             "{warnings:?}"
         );
         assert!(
-            warnings
-                .iter()
-                .any(|w| w.starts_with("routes[2] (short).retention") && w.contains("30d")),
+            warnings.iter().any(
+                |w| w.starts_with("routes[2] (short).retention (line 4):") && w.contains("30d")
+            ),
             "{warnings:?}"
         );
         assert!(parse(ROUTE).unwrap().warnings().is_empty());

@@ -296,7 +296,7 @@ fn check_config_prints_warnings_whatever_the_log_level() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
         out.stderr
-            .contains("warning: routes[0] (gh): provider github without secrets"),
+            .contains("warning: routes[0] (gh) (line 2): provider github without secrets"),
         "{}",
         out.stderr
     );
