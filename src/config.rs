@@ -539,27 +539,20 @@ impl Config {
             serde_yaml::from_str(text)
         }
         .map_err(|error| Problem::Parse(error.to_string()))?;
-        let url_overridden = store_url.is_some();
+        let mut lines = locate::Lines::of(text);
         if let Some(url) = store_url {
             config.store.url = url;
+            lines.not_in_file("store.url");
         }
-        config.lines = Arc::new(locate::Lines::of(text));
+        config.lines = Arc::new(lines);
         let problems = config.validate_with(secrets);
         if problems.is_empty() {
             return Ok(config);
         }
-        let lines = &config.lines;
         Err(Problem::Invalid(
             problems
                 .into_iter()
-                // An overriding URL is not in the file.
-                .map(|problem| {
-                    if url_overridden && problem.starts_with("store.url") {
-                        problem
-                    } else {
-                        lines.annotate(problem)
-                    }
-                })
+                .map(|problem| config.lines.annotate(problem))
                 .collect(),
         ))
     }

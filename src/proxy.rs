@@ -20,9 +20,7 @@ use tokio::sync::Semaphore;
 pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, Unavailable};
 pub use open_claims::{OpenClaim, OpenClaims};
 
-use crate::config::{
-    Config, Mode, OnMissingKey, OnPayloadMismatch, OnUnavailable, UNMATCHED_ROUTE, Unmatched,
-};
+use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, Unmatched};
 use crate::key;
 use crate::metrics::Metrics;
 use crate::provider;
@@ -306,9 +304,7 @@ impl Proxy {
                 payload_mismatch: unwritten.payload_mismatch(&payload_sha256),
             };
             self.count_claim(route, &key, &in_flight);
-            if in_flight.payload_mismatch()
-                && route.on_payload_mismatch == OnPayloadMismatch::Reject
-            {
+            if route.rejects(&in_flight) {
                 return Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch));
             }
             return Decision::Answer(Answer::InFlight(
@@ -344,8 +340,7 @@ impl Proxy {
         self.count_claim(route, &request.key, &claim);
         // In shadow mode too: the claim is released and the 422 recorded as
         // enforcing would, then the caller forwards the delivery unclaimed.
-        let reject_mismatch =
-            claim.payload_mismatch() && route.on_payload_mismatch == OnPayloadMismatch::Reject;
+        let reject_mismatch = route.rejects(&claim);
         match claim {
             Claim::Won { attempt, .. } if reject_mismatch => {
                 self.settle(&request, attempt, Settlement::RELEASED).await;

@@ -10,6 +10,7 @@ use http::{Method, StatusCode};
 use crate::config::{Config, Mode, OnMissingKey, OnPayloadMismatch, RouteConfig, StatusMatch};
 use crate::key::KeySource;
 use crate::provider::Handshake;
+use crate::store::Claim;
 use crate::verify::{BodyHmac, Scheme, Verifier};
 
 /// One webhook endpoint, validated.
@@ -90,6 +91,12 @@ impl Route {
     /// Whether this route's settle status for an upstream answer is `done`.
     pub fn is_done(&self, status: StatusCode) -> bool {
         self.done_on.iter().any(|m| m.matches(status.as_u16()))
+    }
+
+    /// Whether a delivery whose body differs from the key's first one is
+    /// answered 422 on this route.
+    pub fn rejects(&self, claim: &Claim) -> bool {
+        claim.payload_mismatch() && self.on_payload_mismatch == OnPayloadMismatch::Reject
     }
 }
 

@@ -15,7 +15,8 @@ use yaml_rust2::scanner::Marker;
 /// The line (1-based) of each field and sequence item in a YAML text.
 #[derive(Debug, Default)]
 pub struct Lines {
-    by_path: HashMap<String, usize>,
+    /// `None` for a field whose value comes from elsewhere (the environment).
+    by_path: HashMap<String, Option<usize>>,
 }
 
 impl Lines {
@@ -34,13 +35,19 @@ impl Lines {
         }
     }
 
+    /// Marks the field at `path` as set from outside the file: it has no
+    /// line, and does not take that of what encloses it.
+    pub fn not_in_file(&mut self, path: &str) {
+        self.by_path.insert(path.to_owned(), None);
+    }
+
     /// The line of the field at `path`, or of the closest enclosing field
     /// written in the file when that one was left to its default.
     pub fn find(&self, path: &str) -> Option<usize> {
         let mut path = path;
         loop {
             if let Some(&line) = self.by_path.get(path) {
-                return Some(line);
+                return line;
             }
             path = &path[..path.rfind(['.', '['])?];
         }
@@ -77,7 +84,7 @@ fn without_names(field: &str) -> String {
 
 #[derive(Default)]
 struct Recorder {
-    lines: HashMap<String, usize>,
+    lines: HashMap<String, Option<usize>>,
     open: Vec<Node>,
 }
 
@@ -100,7 +107,7 @@ impl Recorder {
             Some(Node::Sequence { path, next }) => {
                 let item = format!("{path}[{next}]");
                 *next += 1;
-                self.lines.entry(item.clone()).or_insert(mark.line());
+                self.lines.entry(item.clone()).or_insert(Some(mark.line()));
                 item
             }
         };
@@ -126,7 +133,7 @@ impl MarkedEventReceiver for Recorder {
                 }) = self.open.last_mut()
                 {
                     let field = join(path, &text);
-                    self.lines.entry(field).or_insert(mark.line());
+                    self.lines.entry(field).or_insert(Some(mark.line()));
                     *key = Some(text);
                 } else {
                     self.value_path(mark);
@@ -211,6 +218,14 @@ routes:
         );
         let unplaced = "upstream.url: not a URL".to_string();
         assert_eq!(lines.annotate(unplaced.clone()), unplaced);
+    }
+
+    #[test]
+    fn a_field_set_from_outside_the_file_has_no_line() {
+        let mut lines = Lines::of(TEXT);
+        lines.not_in_file("store.url");
+        assert_eq!(lines.find("store.url"), None);
+        assert_eq!(lines.find("store.lease"), Some(4));
     }
 
     #[test]
