@@ -1,6 +1,6 @@
 //! The configuration file: serde types that are the user documentation, strict
 //! parsing (unknown keys are errors), defaults, and cross-field validation that
-//! reports every problem at once. Turning the validated file into runtime types
+//! reports every problem at once (`validate`). Turning the validated file into runtime types
 //! (compiled routes, store URLs, secrets) is done by the modules that own them.
 
 use std::fmt;
@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 mod duration;
 mod locate;
+mod validate;
 
 pub use duration::format as format_duration;
 
@@ -557,308 +558,6 @@ impl Config {
         ))
     }
 
-    /// Every cross-field and value problem, each naming its field.
-    pub fn validate(&self) -> Vec<String> {
-        self.validate_with(Secrets::Resolve)
-    }
-
-    /// [`Config::validate`], reading the routes' secrets or not.
-    fn validate_with(&self, secrets: Secrets) -> Vec<String> {
-        let store_url = crate::store::StoreUrl::parse(&self.store.url);
-        let mut problems = Vec::new();
-        self.validate_files(&mut problems);
-        let mut check = |ok: bool, message: String| {
-            if !ok {
-                problems.push(message);
-            }
-        };
-        check(
-            self.upstream.url.starts_with("http://") || self.upstream.url.starts_with("https://"),
-            format!(
-                "upstream.url: `{}` must be an http:// or https:// URL",
-                self.upstream.url
-            ),
-        );
-        check(
-            self.upstream
-                .url
-                .parse::<http::Uri>()
-                .is_ok_and(|uri| uri.host().is_some()),
-            format!(
-                "upstream.url: `{}` is not a valid URL with a host",
-                self.upstream.url
-            ),
-        );
-        check(
-            !self.upstream.timeout.is_zero(),
-            "upstream.timeout: must be greater than zero".into(),
-        );
-        check(
-            !self.upstream.connect_timeout.is_zero(),
-            "upstream.connect_timeout: must be greater than zero".into(),
-        );
-        check(
-            self.store.lease > self.upstream.timeout,
-            format!(
-                "store.lease: {} must exceed upstream.timeout ({}), or a slow upstream call would outlive its claim",
-                duration::format(self.store.lease),
-                duration::format(self.upstream.timeout)
-            ),
-        );
-        check(
-            store_url.is_ok(),
-            format!(
-                "store.url: {}",
-                store_url.as_ref().err().cloned().unwrap_or_default()
-            ),
-        );
-        check(
-            is_table_name(&self.store.table),
-            format!(
-                "store.table: `{}` must be an SQL identifier (letters, digits, _; optionally schema.table)",
-                self.store.table
-            ),
-        );
-        check(
-            !(self.store.table.contains('.')
-                && matches!(store_url, Ok(crate::store::StoreUrl::Sqlite(_)))),
-            format!(
-                "store.table: `{}` is schema-qualified, which only a PostgreSQL store supports",
-                self.store.table
-            ),
-        );
-        for (field, value) in [
-            (
-                "limits.header_read_timeout",
-                self.limits.header_read_timeout,
-            ),
-            ("limits.body_read_timeout", self.limits.body_read_timeout),
-            ("store.retention", self.store.retention),
-            ("store.prune_interval", self.store.prune_interval),
-            ("store.timeout", self.store.timeout),
-        ] {
-            check(
-                !value.is_zero(),
-                format!("{field}: must be greater than zero"),
-            );
-        }
-        check(
-            self.store.pool_size > 0,
-            "store.pool_size: must be at least 1".into(),
-        );
-        for (field, value) in [
-            ("limits.max_body_bytes", self.limits.max_body_bytes),
-            ("limits.max_key_bytes", self.limits.max_key_bytes),
-            (
-                "limits.max_concurrent_requests",
-                self.limits.max_concurrent_requests,
-            ),
-        ] {
-            check(value > 0, format!("{field}: must be at least 1"));
-        }
-        check(
-            tracing_subscriber::EnvFilter::try_new(&self.log_level).is_ok()
-                && self.log_level.split(',').all(is_level_or_target_directive),
-            format!(
-                "log_level: `{}` is not a log filter: use a level (trace, debug, info, warn, error, off) or `target=level` directives",
-                self.log_level
-            ),
-        );
-        check(
-            !listeners_collide(self.listen, self.admin_listen),
-            format!(
-                "admin_listen: {} collides with listen ({}); the two listeners need different ports",
-                self.admin_listen, self.listen
-            ),
-        );
-        validate_statuses(
-            "defaults",
-            &self.defaults.done_on,
-            self.defaults.duplicate_status,
-            self.defaults.in_flight_status,
-            &mut problems,
-        );
-        let mut names = std::collections::HashSet::new();
-        for (index, route) in self.routes.iter().enumerate() {
-            let at = format!("routes[{index}] ({})", route.name);
-            if !names.insert(route.name.as_str()) {
-                problems.push(format!("{at}.name: duplicate route name"));
-            }
-            self.validate_route(&at, route, secrets, &mut problems);
-        }
-        self.validate_route_overlap(&mut problems);
-        problems
-    }
-
-    /// A route whose path (or prefix) and methods an earlier route already
-    /// covers would never see a request: its keys, metrics and settings
-    /// would silently go unused.
-    fn validate_route_overlap(&self, problems: &mut Vec<String>) {
-        let methods: Vec<std::collections::HashSet<String>> = self
-            .routes
-            .iter()
-            .map(|route| {
-                route
-                    .methods
-                    .iter()
-                    .map(|m| m.to_ascii_uppercase())
-                    .collect()
-            })
-            .collect();
-        for (index, route) in self.routes.iter().enumerate() {
-            let shadowed_by = (0..index).find(|&earlier| {
-                let other = &self.routes[earlier];
-                (&route.path, &route.path_prefix) == (&other.path, &other.path_prefix)
-                    && !methods[index].is_disjoint(&methods[earlier])
-            });
-            if let Some(earlier) = shadowed_by {
-                let field = if route.path.is_some() {
-                    "path"
-                } else {
-                    "path_prefix"
-                };
-                problems.push(format!(
-                    "routes[{index}] ({}).{field}: routes[{earlier}] ({}) already matches this {field} for some of the same methods, so this route would never be used",
-                    route.name, self.routes[earlier].name
-                ));
-            }
-        }
-    }
-
-    /// TLS material named by the configuration must load.
-    fn validate_files(&self, problems: &mut Vec<String>) {
-        if let Some(tls) = &self.tls {
-            crate::tls::install_crypto_provider();
-            if let Err(error) = crate::tls::CertificateReloader::load(&tls.cert_file, &tls.key_file)
-            {
-                problems.push(format!("tls: {error}"));
-            }
-        }
-        if let Some(Err(error)) = self
-            .upstream
-            .ca_file
-            .as_deref()
-            .map(|ca_file| crate::tls::root_store(Some(ca_file)))
-        {
-            problems.push(format!("upstream.ca_file: {error}"));
-        }
-    }
-
-    fn validate_route(
-        &self,
-        at: &str,
-        route: &RouteConfig,
-        secrets: Secrets,
-        problems: &mut Vec<String>,
-    ) {
-        if !is_route_name(&route.name) {
-            problems.push(format!(
-                "{at}.name: must be 1-64 characters of letters, digits, `-`, `_` or `.`"
-            ));
-        }
-        if route.name == UNMATCHED_ROUTE {
-            problems.push(format!(
-                "{at}.name: `{UNMATCHED_ROUTE}` is reserved for requests that match no route"
-            ));
-        }
-        match (&route.path, &route.path_prefix) {
-            (Some(path), None) | (None, Some(path)) if path.starts_with('/') => {}
-            (Some(_), Some(_)) => {
-                problems.push(format!("{at}: set either path or path_prefix, not both"))
-            }
-            (None, None) => problems.push(format!("{at}: needs path or path_prefix")),
-            _ => problems.push(format!("{at}.path: must start with `/`")),
-        }
-        if route.methods.is_empty() {
-            problems.push(format!("{at}.methods: must name at least one method"));
-        }
-        for method in &route.methods {
-            if http::Method::from_bytes(method.to_ascii_uppercase().as_bytes()).is_err() {
-                problems.push(format!("{at}.methods: `{method}` is not an HTTP method"));
-            }
-        }
-        match &route.key {
-            None if route.provider.is_none() => problems.push(format!(
-                "{at}.key: required without a provider: `{{ header: NAME }}` or `{{ json: /pointer }}`"
-            )),
-            None => {}
-            Some(key) => {
-                if let Err(problem) = crate::key::KeySource::from_config(key) {
-                    problems.push(format!("{at}.key: {problem}"));
-                }
-            }
-        }
-        match (&route.provider, &route.signature, route.secrets.is_empty()) {
-            (Some(_), Some(_), _) => problems.push(format!(
-                "{at}.signature: a provider brings its own signature scheme; remove one of them"
-            )),
-            (None, Some(_), true) => problems.push(format!(
-                "{at}.secrets: a signature scheme needs at least one secret"
-            )),
-            (None, None, false) => problems.push(format!(
-                "{at}.secrets: set a provider or a signature scheme to verify with"
-            )),
-            _ => {}
-        }
-        for (index, handshake) in route.handshakes.iter().enumerate() {
-            if let Err(problem) = handshake.validate() {
-                problems.push(format!("{at}.handshakes[{index}].{problem}"));
-            }
-        }
-        if route.retention.is_some_and(|retention| retention.is_zero()) {
-            problems.push(format!("{at}.retention: must be greater than zero"));
-        }
-        let mut effective = self.effective_route(route);
-        let before = problems.len();
-        validate_statuses(
-            at,
-            effective.done_on.as_deref().unwrap_or_default(),
-            effective.duplicate_status.unwrap_or_default(),
-            effective.in_flight_status.unwrap_or_default(),
-            problems,
-        );
-        // Secrets are resolved and schemes built only for an otherwise valid
-        // route, so each problem is reported once.
-        if problems.len() > before {
-            return;
-        }
-        if secrets == Secrets::Ignore {
-            effective.secrets.clear();
-        }
-        if let Err(route_problems) = crate::route::Route::compile(&effective) {
-            problems.extend(route_problems.into_iter().map(|p| format!("{at}.{p}")));
-        }
-    }
-
-    /// Things that work but are probably not what the operator wants.
-    pub fn warnings(&self) -> Vec<String> {
-        let mut warnings = Vec::new();
-        for (index, route) in self.routes.iter().enumerate() {
-            let at = format!("routes[{index}] ({})", route.name);
-            if route.secrets.iter().any(SecretRef::is_literal) {
-                warnings.push(format!(
-                    "{at}.secrets: a literal `value` is for local testing only; use `env` or `file`"
-                ));
-            }
-            let Some(provider) = route.provider else {
-                continue;
-            };
-            if route.secrets.is_empty() {
-                warnings.push(format!(
-                    "{at}: provider {provider} without secrets: signatures are NOT verified"
-                ));
-            }
-            let retention = self.effective_route(route).retention.unwrap_or_default();
-            if let Some(warning) = provider.retention_warning(retention) {
-                warnings.push(format!("{at}.retention: {warning}"));
-            }
-        }
-        warnings
-            .into_iter()
-            .map(|warning| self.lines.annotate(warning))
-            .collect()
-    }
-
     /// The route with every inherited field filled in from `defaults` and
     /// `store.retention`.
     pub fn effective_route(&self, route: &RouteConfig) -> RouteConfig {
@@ -913,71 +612,9 @@ pub enum Problem {
     Invalid(Vec<String>),
 }
 
-fn validate_statuses(
-    at: &str,
-    done_on: &[StatusMatch],
-    duplicate_status: u16,
-    in_flight_status: u16,
-    problems: &mut Vec<String>,
-) {
-    if done_on.is_empty() {
-        problems.push(format!("{at}.done_on: must list at least one status"));
-    }
-    if !(200..=599).contains(&duplicate_status) {
-        problems.push(format!(
-            "{at}.duplicate_status: {duplicate_status} is not a final status (200-599)"
-        ));
-    }
-    if !(300..=599).contains(&in_flight_status) {
-        problems.push(format!(
-            "{at}.in_flight_status: {in_flight_status} must be 300-599: a 2xx would tell the sender to stop retrying an event that may still fail"
-        ));
-    }
-}
-
-fn is_route_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
-fn is_table_name(name: &str) -> bool {
-    let identifier = |part: &str| {
-        (1..=63).contains(&part.len())
-            && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-            && !part.as_bytes()[0].is_ascii_digit()
-    };
-    match name.split_once('.') {
-        Some((schema, table)) => identifier(schema) && identifier(table),
-        None => identifier(name),
-    }
-}
-
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([0, 0, 0, 0], 8080))
 }
-/// `info` or `hyper=debug`, but not a bare word such as `verbose`, which
-/// `tracing` would read as a target name and so log almost nothing.
-fn is_level_or_target_directive(directive: &str) -> bool {
-    let directive = directive.trim();
-    directive.contains('=')
-        || ["trace", "debug", "info", "warn", "error", "off"]
-            .iter()
-            .any(|level| directive.eq_ignore_ascii_case(level))
-}
-
-/// Whether binding both addresses must fail: the same port on the same
-/// address, or on any address when either is a wildcard. Port 0 asks the
-/// system for a free port, which never collides.
-fn listeners_collide(listen: SocketAddr, admin: SocketAddr) -> bool {
-    listen.port() != 0
-        && listen.port() == admin.port()
-        && (listen.ip() == admin.ip()
-            || listen.ip().is_unspecified()
-            || admin.ip().is_unspecified())
-}
-
 fn default_admin_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9090))
 }
@@ -1059,13 +696,6 @@ mod tests {
         Config::from_yaml(text, None)
     }
 
-    fn problems(text: &str) -> Vec<String> {
-        match parse(text) {
-            Err(Problem::Invalid(problems)) => problems,
-            other => panic!("expected validation problems, got {other:?}"),
-        }
-    }
-
     const ROUTE: &str =
         "routes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]";
 
@@ -1093,78 +723,6 @@ mod tests {
     }
 
     #[test]
-    fn a_log_level_that_is_neither_a_level_nor_a_directive_is_an_error() {
-        let problems = problems("log_level: verbose");
-        assert!(
-            problems
-                .iter()
-                .any(|p| p.starts_with("log_level (line 1): `verbose`")),
-            "{problems:?}"
-        );
-        for accepted in [
-            "debug",
-            "WARN",
-            "info,hyper=warn",
-            "dedupe_proxy::proxy=trace",
-        ] {
-            let config = parse(&format!("log_level: '{accepted}'"));
-            assert!(config.is_ok(), "{accepted}: {config:?}");
-        }
-    }
-
-    #[test]
-    fn admin_listen_on_the_webhook_listeners_port_is_an_error() {
-        for (listen, admin) in [
-            ("127.0.0.1:8080", "127.0.0.1:8080"),
-            ("0.0.0.0:8080", "127.0.0.1:8080"),
-            ("127.0.0.1:9090", "[::]:9090"),
-        ] {
-            let problems = problems(&format!("listen: '{listen}'\nadmin_listen: '{admin}'"));
-            assert!(
-                problems
-                    .iter()
-                    .any(|p| p.starts_with("admin_listen (line 2):")),
-                "{listen} {admin}: {problems:?}"
-            );
-        }
-        for (listen, admin) in [
-            ("127.0.0.1:0", "127.0.0.1:0"),
-            ("127.0.0.1:8080", "127.0.0.2:8080"),
-            ("0.0.0.0:8080", "127.0.0.1:9090"),
-        ] {
-            let config = parse(&format!("listen: '{listen}'\nadmin_listen: '{admin}'"));
-            assert!(config.is_ok(), "{listen} {admin}: {config:?}");
-        }
-    }
-
-    #[test]
-    fn a_route_an_earlier_route_already_matches_is_an_error() {
-        let problems = problems(
-            "routes:
-  - { name: a, path: /hooks, key: { header: X-Id } }
-  - { name: b, path: /hooks, methods: [PUT, post], key: { header: X-Id } }
-  - { name: c, path_prefix: /in/, key: { header: X-Id } }
-  - { name: d, path_prefix: /in/, key: { header: X-Id } }",
-        );
-        assert_eq!(problems.len(), 2, "{problems:?}");
-        assert!(
-            problems[0].starts_with("routes[1] (b).path (line 3): routes[0] (a)"),
-            "{problems:?}"
-        );
-        assert!(
-            problems[1].starts_with("routes[3] (d).path_prefix (line 5): routes[2] (c)"),
-            "{problems:?}"
-        );
-        let config = parse(
-            "routes:
-  - { name: a, path: /hooks, key: { header: X-Id } }
-  - { name: b, path: /hooks, methods: [PUT], key: { header: X-Id } }
-  - { name: c, path_prefix: /hooks, key: { header: X-Id } }",
-        );
-        assert!(config.is_ok(), "{config:?}");
-    }
-
-    #[test]
     fn unknown_keys_are_errors_naming_the_field() {
         let Err(Problem::Parse(message)) = parse("store: { urll: sqlite://x.db }") else {
             panic!("unknown key accepted");
@@ -1181,35 +739,6 @@ mod tests {
         assert_eq!(config.store.lease, Duration::from_secs(600));
         assert_eq!(config.store.retention, Duration::from_secs(72 * 3600));
         assert_eq!(config.upstream.timeout, Duration::from_secs(45));
-    }
-
-    #[test]
-    fn lease_must_exceed_upstream_timeout() {
-        let problems = problems("store: { lease: 30s }\nupstream: { timeout: 30s }");
-        assert!(
-            problems.iter().any(|p| p.starts_with("store.lease")),
-            "{problems:?}"
-        );
-    }
-
-    #[test]
-    fn all_problems_are_reported_together() {
-        let problems = problems(
-            "store: { pool_size: 0, url: mysql://x }\nlimits: { max_key_bytes: 0 }\nroutes: [{ name: a, path: nope }, { name: a, path: /b, key: { header: X } }]",
-        );
-        for field in [
-            "store.pool_size",
-            "store.url",
-            "limits.max_key_bytes",
-            "routes[0] (a).path",
-            "routes[0] (a).key",
-            "routes[1] (a).name",
-        ] {
-            assert!(
-                problems.iter().any(|p| p.starts_with(field)),
-                "{field} missing from {problems:?}"
-            );
-        }
     }
 
     #[test]
@@ -1241,15 +770,6 @@ mod tests {
     }
 
     #[test]
-    fn in_flight_status_may_not_be_2xx() {
-        let problems = problems(&format!("defaults: {{ in_flight_status: 202 }}\n{ROUTE}"));
-        assert!(
-            problems.iter().any(|p| p.contains("in_flight_status")),
-            "{problems:?}"
-        );
-    }
-
-    #[test]
     fn routes_inherit_defaults() {
         let config = parse(&format!(
             "defaults: {{ duplicate_status: 208 }}\nstore: {{ retention: 1d }}\n{ROUTE}"
@@ -1259,23 +779,6 @@ mod tests {
         assert_eq!(route.duplicate_status, Some(208));
         assert_eq!(route.retention, Some(Duration::from_secs(86400)));
         assert_eq!(route.methods, vec!["POST".to_string()]);
-    }
-
-    #[test]
-    fn reserved_and_invalid_names_are_rejected() {
-        let problems = problems(
-            "routes: [{ name: unmatched, path: /a, key: { header: X } }, { name: 'a b', path: /b, key: { header: X } }]",
-        );
-        assert!(
-            problems.iter().any(|p| p.contains("reserved")),
-            "{problems:?}"
-        );
-        assert!(
-            problems
-                .iter()
-                .any(|p| p.starts_with("routes[1] (a b).name")),
-            "{problems:?}"
-        );
     }
 
     #[test]
@@ -1289,149 +792,11 @@ mod tests {
     }
 
     #[test]
-    fn provider_routes_need_no_key_and_check_their_secrets() {
-        let config = parse(
-            "routes: [{ name: gh, path: /gh, provider: github, secrets: [{ value: s3cret }] }]",
-        )
-        .unwrap();
-        let route = config.effective_route(&config.routes[0]);
-        assert_eq!(
-            route.retention,
-            Some(Duration::from_secs(8 * 86400)),
-            "the preset's retention"
-        );
-        assert_eq!(route.tolerance, Some(DEFAULT_TOLERANCE));
-        let printed = serde_yaml::to_string(&config.effective()).unwrap();
-        assert!(!printed.contains("s3cret"), "{printed}");
-
-        let missing = problems(
-            "routes: [{ name: s, path: /s, provider: stripe, secrets: [{ env: DEDUPE_TEST_UNSET_SECRET_VAR }] }]",
-        );
-        assert!(
-            missing
-                .iter()
-                .any(|p| p.starts_with("routes[0] (s).secrets[0]")
-                    && p.contains("DEDUPE_TEST_UNSET_SECRET_VAR")),
-            "{missing:?}"
-        );
-    }
-
-    #[test]
-    fn signature_schemes_and_secrets_must_fit_together() {
-        let both = problems(
-            "routes: [{ name: a, path: /a, provider: github, secrets: [{ value: x }], signature: { header: X-Sig, algorithm: hmac-sha256, encoding: hex } }]",
-        );
-        assert!(
-            both.iter().any(|p| p.contains("brings its own")),
-            "{both:?}"
-        );
-        let no_secret = problems(
-            "routes: [{ name: a, path: /a, key: { header: X-Id }, signature: { header: X-Sig, algorithm: hmac-sha256, encoding: hex } }]",
-        );
-        assert!(
-            no_secret
-                .iter()
-                .any(|p| p.contains("needs at least one secret")),
-            "{no_secret:?}"
-        );
-        let no_scheme = problems(
-            "routes: [{ name: a, path: /a, key: { header: X-Id }, secrets: [{ value: x }] }]",
-        );
-        assert!(
-            no_scheme.iter().any(|p| p.contains("to verify with")),
-            "{no_scheme:?}"
-        );
-        let bad_svix = problems(
-            "routes: [{ name: a, path: /a, provider: svix, secrets: [{ value: 'whsec_%%%' }] }]",
-        );
-        assert!(
-            bad_svix.iter().any(|p| p.contains("base64")),
-            "{bad_svix:?}"
-        );
-        assert!(matches!(
-            parse("routes: [{ name: a, path: /a, provider: paypal }]"),
-            Err(Problem::Parse(_))
-        ));
-    }
-
-    #[test]
-    fn risky_but_valid_settings_are_warnings() {
-        let config = parse(
-            "routes:
-               - { name: bare, path: /a, provider: stripe }
-               - { name: literal, path: /b, provider: github, secrets: [{ value: x }] }
-               - { name: short, path: /c, provider: stripe, secrets: [{ value: x }], retention: 1d }",
-        )
-        .unwrap();
-        let warnings = config.warnings();
-        assert!(
-            warnings
-                .iter()
-                .any(|w| w.starts_with("routes[0] (bare)") && w.contains("NOT verified")),
-            "{warnings:?}"
-        );
-        assert!(
-            warnings
-                .iter()
-                .any(|w| w.starts_with("routes[1] (literal).secrets (line 3):")),
-            "{warnings:?}"
-        );
-        assert!(
-            warnings.iter().any(
-                |w| w.starts_with("routes[2] (short).retention (line 4):") && w.contains("30d")
-            ),
-            "{warnings:?}"
-        );
-        assert!(parse(ROUTE).unwrap().warnings().is_empty());
-    }
-
-    #[test]
-    fn tls_files_must_load() {
-        let problems = problems(
-            "tls: { cert_file: /nonexistent/tls.crt, key_file: /nonexistent/tls.key }\nupstream: { url: 'https://app:443', ca_file: /nonexistent/ca.pem }",
-        );
-        assert!(
-            problems
-                .iter()
-                .any(|p| p.starts_with("tls (line 1): /nonexistent/tls.crt")),
-            "{problems:?}"
-        );
-        assert!(
-            problems
-                .iter()
-                .any(|p| p.starts_with("upstream.ca_file (line 2): /nonexistent/ca.pem")),
-            "{problems:?}"
-        );
-    }
-
-    #[test]
     fn the_example_configuration_is_valid() {
         let config = parse(include_str!("../config.example.yaml")).unwrap();
         assert!(!config.routes.is_empty());
         // Printing and re-reading the effective configuration round-trips.
         let printed = serde_yaml::to_string(&config.effective()).unwrap();
         parse(&printed).unwrap();
-    }
-
-    #[test]
-    fn table_names_must_be_identifiers() {
-        assert!(is_table_name("processed_events"));
-        assert!(is_table_name("dedupe.events"));
-        assert!(!is_table_name("events; drop table x"));
-        assert!(!is_table_name("1events"));
-        assert!(!is_table_name(""));
-    }
-
-    #[test]
-    fn only_a_postgresql_table_may_be_schema_qualified() {
-        let store = |url: &str| format!("store: {{ url: '{url}', table: dedupe.events }}");
-        let problems = problems(&store("sqlite:///var/lib/dedupe.db"));
-        assert!(
-            problems
-                .iter()
-                .any(|p| p.starts_with("store.table (line 1): `dedupe.events` is schema-qualified")),
-            "{problems:?}"
-        );
-        parse(&store("postgres://db/app")).unwrap();
     }
 }
