@@ -1,0 +1,435 @@
+//! Claims and settles coalesced into multi-row statements: the queues, the
+//! rounds that keep a key out of a statement twice, and a refused statement
+//! retried key by key so that it fails only its own requests.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio_postgres::Row;
+use tokio_postgres::types::Type;
+
+use super::sql::Statements;
+use super::{Params, Session, postgres_error};
+use crate::store::coalesce::Coalescer;
+use crate::store::{Claim, ClaimRequest, Settlement, StoreError, WonFrom};
+
+/// The coalescing queues, started on first use (they need a runtime).
+pub(super) struct Batches {
+    pub(super) claims: Coalescer<ClaimRequest, Claim>,
+    pub(super) settles: Coalescer<SettleRequest, bool>,
+}
+
+/// One queued settle.
+pub(super) struct SettleRequest {
+    pub(super) source: String,
+    pub(super) key: String,
+    pub(super) attempt: i32,
+    pub(super) settlement: Settlement,
+}
+
+/// Most keys one statement claims or settles.
+const MAX_BATCH: usize = 256;
+
+/// Claim statements (and, separately, settle statements) one replica runs at
+/// once. Few and large beats many and small: while two batches are at the
+/// database, everything arriving queues for the next one, so under load the
+/// database runs one statement and one commit for dozens of keys instead of
+/// one each, and spends its CPU on rows rather than on round trips. Under
+/// light load a request still finds a free slot and goes out alone. Two, not
+/// one, so that a batch waiting on a row another replica is inserting does
+/// not stall every claim behind it.
+const BATCHES_IN_FLIGHT: usize = 2;
+
+impl Batches {
+    /// Starts the claim and settle queues on the current runtime.
+    pub(super) fn start(session: &Arc<Session>, sql: &Arc<Statements>) -> Self {
+        let in_flight = BATCHES_IN_FLIGHT.min(session.pool.status().max_size);
+        let runner = BatchRunner {
+            session: Arc::clone(session),
+            sql: Arc::clone(sql),
+        };
+        let settle_runner = runner.clone();
+        Self {
+            claims: Coalescer::start(in_flight, MAX_BATCH, move |batch| {
+                runner.clone().claim_batch(batch)
+            }),
+            settles: Coalescer::start(in_flight, MAX_BATCH, move |batch| {
+                settle_runner.clone().settle_batch(batch)
+            }),
+        }
+    }
+}
+
+/// Rows this process has inserted, and when it next analyzes the table.
+///
+/// A prepared statement keeps the plan PostgreSQL made for it until the
+/// table's statistics change. Planned against a new, empty table, the claim
+/// and settle statements scan it sequentially, and go on doing so as it
+/// grows unless the table is analyzed: autovacuum does that, but where it is
+/// off nothing would (first deliveries fell to a quarter of their rate at
+/// 100,000 rows). So the proxy analyzes the table itself after inserting
+/// `ANALYZE_FIRST_AT` rows, and again each time that count has grown
+/// `ANALYZE_GROWTH` times: a handful of times in the life of a table.
+pub(super) struct Growth {
+    inserted: AtomicU64,
+    next_analyze_at: AtomicU64,
+}
+
+const ANALYZE_FIRST_AT: u64 = 1_000;
+const ANALYZE_GROWTH: u64 = 8;
+
+impl Growth {
+    pub(super) fn new() -> Self {
+        Self {
+            inserted: AtomicU64::new(0),
+            next_analyze_at: AtomicU64::new(ANALYZE_FIRST_AT),
+        }
+    }
+
+    /// Counts `rows` more inserted rows; true when the table is due an
+    /// ANALYZE (once per threshold, whichever batch crosses it).
+    fn add(&self, rows: u64) -> bool {
+        let inserted = self.inserted.fetch_add(rows, Ordering::Relaxed) + rows;
+        let due = self.next_analyze_at.load(Ordering::Relaxed);
+        inserted >= due
+            && self
+                .next_analyze_at
+                .compare_exchange(
+                    due,
+                    due.saturating_mul(ANALYZE_GROWTH),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+    }
+}
+
+/// What a batch needs of the store, owned so batches can run on their own.
+#[derive(Clone)]
+struct BatchRunner {
+    session: Arc<Session>,
+    sql: Arc<Statements>,
+}
+
+impl BatchRunner {
+    /// Claims a batch. A key queued twice is claimed again in a later round,
+    /// after the first claim's outcome is committed, since one statement
+    /// cannot decide the same key twice.
+    async fn claim_batch(self, requests: Vec<ClaimRequest>) -> Vec<Result<Claim, StoreError>> {
+        let mut claims: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
+        let mut pending: Vec<usize> = (0..requests.len()).collect();
+        while !pending.is_empty() {
+            let mut keys = HashSet::new();
+            let (round, later): (Vec<usize>, Vec<usize>) = pending
+                .into_iter()
+                .partition(|&i| keys.insert((&*requests[i].source, requests[i].key.as_str())));
+            let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
+            for (slot, claim) in round.iter().zip(self.isolated(&round_requests).await) {
+                claims[*slot] = Some(claim);
+            }
+            pending = later;
+        }
+        let claims: Vec<Result<Claim, StoreError>> = claims
+            .into_iter()
+            .map(|claim| claim.expect("every key claimed"))
+            .collect();
+        let inserted = claims
+            .iter()
+            .filter(|claim| {
+                matches!(
+                    claim,
+                    Ok(Claim::Won {
+                        from: WonFrom::New,
+                        ..
+                    })
+                )
+            })
+            .count();
+        if inserted > 0 && self.session.growth.add(inserted as u64) {
+            tokio::spawn(self.analyze());
+        }
+        claims
+    }
+
+    /// Refreshes the table's statistics, so that every connection's cached
+    /// plans are made again for the table as it now is (see `Growth`). A
+    /// failure (the proxy's user may not own the table) costs only that.
+    async fn analyze(self) {
+        let analyzed = async {
+            let client = self.session.client().await?;
+            client
+                .batch_execute(&self.sql.analyze)
+                .await
+                .map_err(postgres_error)
+        };
+        match analyzed.await {
+            Ok(()) => tracing::debug!("analyzed the claims table as it grew"),
+            Err(error) => {
+                tracing::warn!(%error, "cannot analyze the claims table; with autovacuum off, its cached query plans may stay those made when it was empty");
+            }
+        }
+    }
+
+    /// One statement for the round; if the database refuses it (rather than
+    /// being unreachable), each key is retried alone, so that a row it cannot
+    /// take fails only its own request.
+    async fn isolated<R: Round>(&self, requests: &[&R]) -> Vec<Result<R::Outcome, StoreError>> {
+        match R::run(self, requests).await {
+            Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
+            Err(StoreError::Refused(_)) if requests.len() > 1 => {
+                let mut outcomes = Vec::with_capacity(requests.len());
+                for request in requests {
+                    let outcome = R::run(self, &[*request]).await;
+                    outcomes.push(outcome.map(|mut one| one.remove(0)));
+                }
+                outcomes
+            }
+            Err(error) => vec![Err(error); requests.len()],
+        }
+    }
+
+    async fn claim_round(&self, requests: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        let rows = match requests {
+            [one] => {
+                let params: &Params<'_> = &[
+                    (&&*one.source, Type::TEXT),
+                    (&one.key, Type::TEXT),
+                    (&&one.payload_sha256[..], Type::BYTEA),
+                    (&lease_ms(one), Type::INT8),
+                ];
+                self.session.query(&self.sql.claim_one, params).await?
+            }
+            _ => {
+                let sources: Vec<&str> = requests.iter().map(|r| &*r.source).collect();
+                let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+                let hashes: Vec<&[u8]> = requests.iter().map(|r| &r.payload_sha256[..]).collect();
+                let leases: Vec<i64> = requests.iter().map(|r| lease_ms(r)).collect();
+                let params: &Params<'_> = &[
+                    (&sources, Type::TEXT_ARRAY),
+                    (&keys, Type::TEXT_ARRAY),
+                    (&hashes, Type::BYTEA_ARRAY),
+                    (&leases, Type::INT8_ARRAY),
+                ];
+                self.session.query(&self.sql.claim, params).await?
+            }
+        };
+        let mut claims = vec![None; requests.len()];
+        let mut unseen = Vec::new();
+        for row in &rows {
+            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            if let Some(slot) = claims.get_mut(index) {
+                if lost_to_an_unseen_row(row) {
+                    unseen.push(index);
+                }
+                *slot = Some(claim_from_row(row, &requests[index].payload_sha256));
+            }
+        }
+        if !unseen.is_empty() {
+            self.recheck_lost(requests, &unseen, &mut claims).await;
+        }
+        claims
+            .into_iter()
+            .map(|claim| {
+                claim.ok_or_else(|| StoreError::Postgres("a claim got no result row".into()))
+            })
+            .collect()
+    }
+
+    /// A claim that lost to a row inserted by a concurrent claim committed
+    /// after its snapshot saw no row to take the payload hash (or status)
+    /// from: it waited for that insert, then left the key alone. A new
+    /// statement sees the row, so a different body still counts as a
+    /// mismatch. The claim is decided and committed either way; if this read
+    /// fails, the key is answered in flight without the body check.
+    async fn recheck_lost(
+        &self,
+        requests: &[&ClaimRequest],
+        unseen: &[usize],
+        claims: &mut [Option<Claim>],
+    ) {
+        let sources: Vec<&str> = unseen.iter().map(|&i| &*requests[i].source).collect();
+        let keys: Vec<&str> = unseen.iter().map(|&i| requests[i].key.as_str()).collect();
+        let params: &Params<'_> = &[(&sources, Type::TEXT_ARRAY), (&keys, Type::TEXT_ARRAY)];
+        let rows = match self.session.query(&self.sql.recheck, params).await {
+            Ok(rows) => rows,
+            Err(error) => {
+                tracing::warn!(%error, "cannot re-read keys claimed concurrently; answered in flight without comparing their bodies");
+                return;
+            }
+        };
+        for row in &rows {
+            let ord = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            let Some(&index) = unseen.get(ord) else {
+                continue;
+            };
+            let stored_sha: Option<&[u8]> = row.get(2);
+            claims[index] = Some(lost_claim(
+                row.get(1),
+                row.get(3),
+                stored_sha.is_some_and(|stored| stored != requests[index].payload_sha256),
+            ));
+        }
+    }
+
+    /// Settles a batch; as with claims, a refused statement is retried one
+    /// key at a time.
+    ///
+    /// The batch goes out in key order (byte order, as claims lock theirs):
+    /// the statement locks rows in the order of its input, so two batches
+    /// sharing keys, or a settle and a claim taking back the same expired
+    /// keys, wait on each other instead of deadlocking. Sorting here, not
+    /// in the statement, costs the database nothing: a locking sort there
+    /// would write a lock record for every row it then updates anyway.
+    async fn settle_batch(self, requests: Vec<SettleRequest>) -> Vec<Result<bool, StoreError>> {
+        let mut order: Vec<usize> = (0..requests.len()).collect();
+        order.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
+        let sorted: Vec<&SettleRequest> = order.iter().map(|&i| &requests[i]).collect();
+        let mut outcomes = vec![Ok(false); requests.len()];
+        for (index, outcome) in order.into_iter().zip(self.isolated(&sorted).await) {
+            outcomes[index] = outcome;
+        }
+        outcomes
+    }
+
+    async fn settle_round(&self, requests: &[&SettleRequest]) -> Result<Vec<bool>, StoreError> {
+        let rows = match requests {
+            [one] => {
+                let params: &Params<'_> = &[
+                    (&one.source, Type::TEXT),
+                    (&one.key, Type::TEXT),
+                    (&one.attempt, Type::INT4),
+                    (&one.settlement.status.as_str(), Type::TEXT),
+                    (&response_status(one), Type::INT2),
+                ];
+                self.session.query(&self.sql.settle_one, params).await?
+            }
+            _ => {
+                let sources: Vec<&str> = requests.iter().map(|r| r.source.as_str()).collect();
+                let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+                let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
+                let statuses: Vec<&str> = requests
+                    .iter()
+                    .map(|r| r.settlement.status.as_str())
+                    .collect();
+                let response_statuses: Vec<Option<i16>> =
+                    requests.iter().map(|r| response_status(r)).collect();
+                let params: &Params<'_> = &[
+                    (&sources, Type::TEXT_ARRAY),
+                    (&keys, Type::TEXT_ARRAY),
+                    (&attempts, Type::INT4_ARRAY),
+                    (&statuses, Type::TEXT_ARRAY),
+                    (&response_statuses, Type::INT2_ARRAY),
+                ];
+                self.session.query(&self.sql.settle, params).await?
+            }
+        };
+        let mut settled = vec![false; requests.len()];
+        for row in &rows {
+            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            if let Some(slot) = settled.get_mut(index) {
+                *slot = true;
+            }
+        }
+        Ok(settled)
+    }
+}
+
+/// What one round of a batch runs: claims or settles, as one statement for
+/// the round's keys (none twice).
+trait Round: Sized {
+    /// Each key's result.
+    type Outcome: Clone;
+
+    async fn run(
+        runner: &BatchRunner,
+        requests: &[&Self],
+    ) -> Result<Vec<Self::Outcome>, StoreError>;
+}
+
+impl Round for ClaimRequest {
+    type Outcome = Claim;
+
+    async fn run(runner: &BatchRunner, requests: &[&Self]) -> Result<Vec<Claim>, StoreError> {
+        runner.claim_round(requests).await
+    }
+}
+
+impl Round for SettleRequest {
+    type Outcome = bool;
+
+    async fn run(runner: &BatchRunner, requests: &[&Self]) -> Result<Vec<bool>, StoreError> {
+        runner.settle_round(requests).await
+    }
+}
+
+fn lease_ms(request: &ClaimRequest) -> i64 {
+    i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn response_status(request: &SettleRequest) -> Option<i16> {
+    request
+        .settlement
+        .response_status
+        .map(|status| i16::try_from(status).unwrap_or(i16::MAX))
+}
+
+fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
+    let won: bool = row.get(1);
+    let attempt: i32 = row.get(2);
+    let stored_sha: Option<&[u8]> = row.get(3);
+    let prior_status: Option<&str> = row.get(4);
+    let age_seconds: f64 = row.get(5);
+    let payload_mismatch = stored_sha.is_some_and(|stored| stored != payload_sha256);
+    match (won, prior_status) {
+        (true, prior) => Claim::Won {
+            attempt,
+            from: match prior {
+                None if attempt == 1 => WonFrom::New,
+                Some("processing") => WonFrom::ExpiredLease,
+                _ => WonFrom::Failed,
+            },
+            payload_mismatch,
+        },
+        (false, prior) => lost_claim(prior, age_seconds, payload_mismatch),
+    }
+}
+
+/// A claim that did not win, by the status of the row that beat it.
+fn lost_claim(status: Option<&str>, age_seconds: f64, payload_mismatch: bool) -> Claim {
+    match status {
+        Some("done") => Claim::Done {
+            age: Duration::from_secs_f64(age_seconds.max(0.0)),
+            payload_mismatch,
+        },
+        _ => Claim::InFlight { payload_mismatch },
+    }
+}
+
+/// Whether a claim lost to a row its statement's snapshot did not hold.
+fn lost_to_an_unseen_row(row: &Row) -> bool {
+    let won: bool = row.get(1);
+    let prior_status: Option<&str> = row.get(4);
+    !won && prior_status.is_none()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_is_analyzed_once_per_threshold_as_inserted_rows_grow() {
+        let growth = Growth::new();
+        assert!(!growth.add(ANALYZE_FIRST_AT - 1));
+        assert!(growth.add(1), "the first threshold");
+        assert!(!growth.add(1), "only once");
+        let next = ANALYZE_FIRST_AT * ANALYZE_GROWTH;
+        assert!(!growth.add(next - ANALYZE_FIRST_AT - 2));
+        assert!(
+            growth.add(1),
+            "the next threshold, {ANALYZE_GROWTH} times the first"
+        );
+        assert!(!growth.add(next));
+    }
+}

@@ -1,0 +1,167 @@
+//! The claim, settle and schema statements for one table name, made once at
+//! start-up. What each decides, and why, is in the statements' comments.
+
+use crate::store::sql_identifier;
+
+/// The statements the request path and `migrate` run.
+pub(super) struct Statements {
+    pub(super) migrate: String,
+    pub(super) claim: String,
+    pub(super) settle: String,
+    /// The same decisions for a batch of one, with the same result columns:
+    /// a plain statement PostgreSQL plans once, where the batch statement is
+    /// planned for its arrays on every run.
+    pub(super) claim_one: String,
+    pub(super) settle_one: String,
+    /// Reads the keys a claim lost to a row it could not see (see
+    /// `BatchRunner::recheck_lost`).
+    pub(super) recheck: String,
+    /// Reads nothing from the table: fails if it does not exist.
+    pub(super) probe: String,
+    /// Refreshes the table's statistics (see `Growth`).
+    pub(super) analyze: String,
+}
+
+impl Statements {
+    pub(super) fn new(table_name: &str) -> Self {
+        let unqualified = table_name.rsplit('.').next().unwrap_or(table_name);
+        let index = sql_identifier(&format!("{unqualified}_received_at_idx"));
+        let table = sql_identifier(table_name);
+        Self {
+            migrate: format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
+                   source           text        NOT NULL,
+                   event_id         text        NOT NULL,
+                   status           text        NOT NULL CHECK (status IN ('processing','done','failed')),
+                   attempts         integer     NOT NULL DEFAULT 1,
+                   payload_sha256   bytea,
+                   response_status  smallint,
+                   received_at      timestamptz NOT NULL DEFAULT now(),
+                   claimed_at       timestamptz NOT NULL DEFAULT now(),
+                   lease_expires_at timestamptz,
+                   completed_at     timestamptz,
+                   PRIMARY KEY (source, event_id)
+                 );
+                 CREATE INDEX IF NOT EXISTS {index} ON {table} (received_at);"
+            ),
+            // One statement claims a whole batch of keys (no key twice). A new
+            // key is decided by the primary key: the INSERT takes it or
+            // conflicts. A key that exists is taken back only if it failed or
+            // its lease expired, by an UPDATE that re-checks that condition
+            // on the row's latest version after locking it, so two
+            // statements cannot both take it. A `done` or live key is
+            // neither written nor locked: a duplicate's statement is
+            // read-only and its commit waits for no WAL flush.
+            //
+            // `prior` reads the statement's snapshot, i.e. the rows as they
+            // were before it: it only classifies results. A row committed by
+            // a concurrent claim after the snapshot is invisible to `prior`
+            // and to the UPDATE; losing to it means in flight (its status
+            // and payload hash are read afterwards, by `recheck`). New rows are
+            // inserted, and rows to take back locked (`retakable`, sorted
+            // before it locks), in key order, byte by byte as settle batches
+            // are sorted, so concurrent batches wait on shared keys in the
+            // same order instead of deadlocking: each deadlock costs the
+            // server's `deadlock_timeout` (1 s) before it refuses one
+            // statement. Should one still happen, the refused statement's
+            // keys are then claimed one by one.
+            claim: format!(
+                "WITH input AS (
+                   SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
+                     WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, ord)
+                 ), prior AS (
+                   SELECT e.source, e.event_id, e.status, e.payload_sha256, e.received_at
+                     FROM {table} e JOIN input i USING (source, event_id)
+                 ), inserted AS (
+                   INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
+                   SELECT source, event_id, 'processing', 1, payload_sha256,
+                          now() + lease_ms * interval '1 millisecond'
+                     FROM input ORDER BY source COLLATE \"C\", event_id COLLATE \"C\"
+                   ON CONFLICT (source, event_id) DO NOTHING
+                   RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
+                 ), retakable AS (
+                   SELECT e.source, e.event_id, i.lease_ms
+                     FROM {table} e JOIN input i USING (source, event_id)
+                    WHERE e.status = 'failed'
+                       OR (e.status = 'processing' AND e.lease_expires_at <= now())
+                    ORDER BY e.source COLLATE \"C\", e.event_id COLLATE \"C\"
+                      FOR UPDATE OF e
+                 ), retaken AS (
+                   UPDATE {table} AS e
+                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
+                          lease_expires_at = now() + r.lease_ms * interval '1 millisecond',
+                          response_status = NULL, completed_at = NULL
+                     FROM retakable r
+                    WHERE e.source = r.source AND e.event_id = r.event_id
+                      AND (e.status = 'failed'
+                           OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND NOT EXISTS (SELECT 1 FROM inserted n
+                                       WHERE n.source = r.source AND n.event_id = r.event_id)
+                   RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
+                 ), claimed AS (
+                   SELECT * FROM inserted UNION ALL SELECT * FROM retaken
+                 )
+                 SELECT i.ord, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
+                        coalesce(c.payload_sha256, p.payload_sha256), p.status,
+                        coalesce(extract(epoch FROM now() - p.received_at)::float8, 0)
+                   FROM input i
+                   LEFT JOIN claimed c USING (source, event_id)
+                   LEFT JOIN prior p USING (source, event_id)"
+            ),
+            // Fenced per row: only the attempt that owns a key settles it.
+            settle: format!(
+                "UPDATE {table} AS e
+                    SET status = u.status, response_status = u.response_status,
+                        completed_at = now(), lease_expires_at = NULL
+                   FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::int2[])
+                          WITH ORDINALITY AS u(source, event_id, attempt, status, response_status, ord)
+                  WHERE e.source = u.source AND e.event_id = u.event_id
+                    AND e.status = 'processing' AND e.attempts = u.attempt
+                 RETURNING u.ord"
+            ),
+            claim_one: format!(
+                "WITH prior AS (
+                   SELECT status, payload_sha256, received_at FROM {table}
+                    WHERE source = $1 AND event_id = $2
+                 ), inserted AS (
+                   INSERT INTO {table} (source, event_id, status, attempts, payload_sha256, lease_expires_at)
+                   VALUES ($1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond')
+                   ON CONFLICT (source, event_id) DO NOTHING
+                   RETURNING attempts, payload_sha256
+                 ), retaken AS (
+                   UPDATE {table} AS e
+                      SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
+                          lease_expires_at = now() + $4 * interval '1 millisecond',
+                          response_status = NULL, completed_at = NULL
+                    WHERE e.source = $1 AND e.event_id = $2
+                      AND (e.status = 'failed'
+                           OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND NOT EXISTS (SELECT 1 FROM inserted)
+                   RETURNING e.attempts, e.payload_sha256
+                 ), claimed AS (
+                   SELECT * FROM inserted UNION ALL SELECT * FROM retaken
+                 )
+                 SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
+                        coalesce(c.payload_sha256, p.payload_sha256), p.status,
+                        coalesce(extract(epoch FROM now() - p.received_at)::float8, 0)
+                   FROM (SELECT 1) one
+                   LEFT JOIN claimed c ON true
+                   LEFT JOIN prior p ON true"
+            ),
+            settle_one: format!(
+                "UPDATE {table}
+                    SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
+                  WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3
+                 RETURNING 1::int8"
+            ),
+            recheck: format!(
+                "SELECT i.ord, e.status, e.payload_sha256,
+                        extract(epoch FROM now() - e.received_at)::float8
+                   FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS i(source, event_id, ord)
+                   JOIN {table} e USING (source, event_id)"
+            ),
+            probe: format!("SELECT 1 FROM {table} LIMIT 0"),
+            analyze: format!("ANALYZE {table}"),
+        }
+    }
+}
