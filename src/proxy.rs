@@ -5,7 +5,10 @@
 
 mod answer;
 mod open_claims;
+mod record;
+mod settle;
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -19,21 +22,16 @@ use tokio::sync::Semaphore;
 
 pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, Unavailable};
 pub use open_claims::{OpenClaim, OpenClaims};
+use record::{InFlight, log_request};
 
 use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, Unmatched};
 use crate::key;
 use crate::metrics::Metrics;
 use crate::provider;
 use crate::route::{Route, Routes};
-use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store, WonFrom};
+use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
 use crate::upstream::{DedupeHeaders, Peer, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
-
-/// The longest pause between retries of a settle, in the background and at
-/// shutdown.
-const SETTLE_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
-/// The longest a settle is retried, whatever the retention.
-const SETTLE_RETRY_HORIZON: Duration = Duration::from_secs(30 * 86400);
 
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
@@ -65,6 +63,21 @@ enum Decision {
     Pass(PassReason),
     /// Answer without forwarding (in shadow mode: forward, recording this).
     Answer(Answer),
+}
+
+impl Decision {
+    /// The answer to a delivery whose key another delivery holds: done, or
+    /// in flight (also while this replica's own outcome for the key is
+    /// unwritten), or its body rejected as a mismatch.
+    fn lost(route: &Route, claim: &Claim) -> Self {
+        Decision::Answer(match claim {
+            _ if route.rejects(claim) => Answer::Rejected(Rejection::PayloadMismatch),
+            Claim::Done { .. } => Answer::Duplicate(route.duplicate_status),
+            Claim::InFlight { .. } | Claim::Won { .. } => {
+                Answer::InFlight(route.in_flight_status, route.in_flight_retry_after)
+            }
+        })
+    }
 }
 
 /// A request whose route's signature policy has been applied: the only form
@@ -279,20 +292,9 @@ impl Proxy {
         if provider::is_handshake(&route.handshakes, body) {
             return Decision::Pass(PassReason::NotDeduplicated);
         }
-        let key = match route
-            .key
-            .extract(&parts.headers, body, self.settings.max_key_bytes)
-        {
-            Ok(Some(key)) => key,
-            Ok(None) if route.on_missing_key == OnMissingKey::Forward => {
-                return Decision::Pass(PassReason::NotDeduplicated);
-            }
-            Ok(None) => return Decision::Answer(Answer::Rejected(Rejection::MissingKey)),
-            Err(error) => {
-                return Decision::Answer(Answer::Rejected(Rejection::BadRequest(
-                    error.to_string(),
-                )));
-            }
+        let key = match self.key_of(route, parts, body) {
+            ControlFlow::Continue(key) => key,
+            ControlFlow::Break(decision) => return decision,
         };
         trace.key = Some(key.clone());
         let payload_sha256: [u8; 32] = Sha256::digest(body).into();
@@ -304,13 +306,7 @@ impl Proxy {
                 payload_mismatch: unwritten.payload_mismatch(&payload_sha256),
             };
             self.count_claim(route, &key, &in_flight);
-            if route.rejects(&in_flight) {
-                return Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch));
-            }
-            return Decision::Answer(Answer::InFlight(
-                route.in_flight_status,
-                route.in_flight_retry_after,
-            ));
+            return Decision::lost(route, &in_flight);
         }
         let request = ClaimRequest {
             source: Arc::clone(&route.name),
@@ -319,61 +315,102 @@ impl Proxy {
             lease: self.settings.lease,
         };
         let claimed_at = Instant::now();
-        let claim = self
-            .metrics
-            .time_store("claim", self.store.claim(&request))
-            .await;
-        trace.store_time = claimed_at.elapsed();
-        let claim = match claim {
-            Ok(claim) => claim,
-            Err(error) => {
-                tracing::warn!(route = &*route.name, %error, "claim failed: store unavailable");
-                return match self.settings.on_unavailable {
-                    OnUnavailable::Reject => Decision::Answer(Answer::Unavailable(
-                        Unavailable::Store,
-                        self.settings.retry_after,
-                    )),
-                    OnUnavailable::Forward => Decision::Pass(PassReason::StoreUnavailable),
-                };
-            }
+        let claim = match self.claim(route, &request, trace).await {
+            ControlFlow::Continue(claim) => claim,
+            ControlFlow::Break(decision) => return decision,
         };
         self.count_claim(route, &request.key, &claim);
-        // In shadow mode too: the claim is released and the 422 recorded as
-        // enforcing would, then the caller forwards the delivery unclaimed.
-        let reject_mismatch = route.rejects(&claim);
         match claim {
-            Claim::Won { attempt, .. } if reject_mismatch => {
+            // In shadow mode too: the claim is released and the 422 recorded
+            // as enforcing would, then the caller forwards the delivery
+            // unclaimed.
+            Claim::Won { attempt, .. } if route.rejects(&claim) => {
                 self.settle(&request, attempt, Settlement::RELEASED).await;
                 Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch))
             }
-            _ if reject_mismatch => Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch)),
             Claim::Won {
                 attempt,
                 payload_mismatch,
                 ..
             } => {
-                trace.attempt = Some(attempt);
-                if self.lease_left_too_short(claimed_at) {
-                    let settle_started = Instant::now();
-                    self.settle(&request, attempt, Settlement::RELEASED).await;
-                    trace.store_time += settle_started.elapsed();
-                    return Decision::Answer(Answer::Unavailable(
-                        Unavailable::LeaseTooShort,
-                        self.settings.retry_after,
-                    ));
-                }
-                Decision::Claimed(Won {
+                let won = Won {
                     request,
                     attempt,
                     payload_mismatch,
-                })
+                };
+                self.forward_if_lease_allows(won, claimed_at, trace).await
             }
-            Claim::Done { .. } => Decision::Answer(Answer::Duplicate(route.duplicate_status)),
-            Claim::InFlight { .. } => Decision::Answer(Answer::InFlight(
-                route.in_flight_status,
-                route.in_flight_retry_after,
-            )),
+            lost => Decision::lost(route, &lost),
         }
+    }
+
+    /// The route's key in the request, or what to do without one.
+    fn key_of(&self, route: &Route, parts: &Parts, body: &Bytes) -> ControlFlow<Decision, String> {
+        match route
+            .key
+            .extract(&parts.headers, body, self.settings.max_key_bytes)
+        {
+            Ok(Some(key)) => ControlFlow::Continue(key),
+            Ok(None) if route.on_missing_key == OnMissingKey::Forward => {
+                ControlFlow::Break(Decision::Pass(PassReason::NotDeduplicated))
+            }
+            Ok(None) => {
+                ControlFlow::Break(Decision::Answer(Answer::Rejected(Rejection::MissingKey)))
+            }
+            Err(error) => ControlFlow::Break(Decision::Answer(Answer::Rejected(
+                Rejection::BadRequest(error.to_string()),
+            ))),
+        }
+    }
+
+    /// Asks the store for the key; a store that fails is handled per
+    /// `store.on_unavailable`.
+    async fn claim(
+        &self,
+        route: &Route,
+        request: &ClaimRequest,
+        trace: &mut Trace,
+    ) -> ControlFlow<Decision, Claim> {
+        let started = Instant::now();
+        let claim = self
+            .metrics
+            .time_store("claim", self.store.claim(request))
+            .await;
+        trace.store_time = started.elapsed();
+        let error = match claim {
+            Ok(claim) => return ControlFlow::Continue(claim),
+            Err(error) => error,
+        };
+        tracing::warn!(route = &*route.name, %error, "claim failed: store unavailable");
+        ControlFlow::Break(match self.settings.on_unavailable {
+            OnUnavailable::Reject => Decision::Answer(Answer::Unavailable(
+                Unavailable::Store,
+                self.settings.retry_after,
+            )),
+            OnUnavailable::Forward => Decision::Pass(PassReason::StoreUnavailable),
+        })
+    }
+
+    /// A won claim is forwarded only while enough of its lease is left;
+    /// otherwise it is released.
+    async fn forward_if_lease_allows(
+        &self,
+        won: Won,
+        claimed_at: Instant,
+        trace: &mut Trace,
+    ) -> Decision {
+        trace.attempt = Some(won.attempt);
+        if !self.lease_left_too_short(claimed_at) {
+            return Decision::Claimed(won);
+        }
+        let settle_started = Instant::now();
+        self.settle(&won.request, won.attempt, Settlement::RELEASED)
+            .await;
+        trace.store_time += settle_started.elapsed();
+        Decision::Answer(Answer::Unavailable(
+            Unavailable::LeaseTooShort,
+            self.settings.retry_after,
+        ))
     }
 
     /// Forwards a won claim and settles it before the response goes back.
@@ -450,8 +487,7 @@ impl Proxy {
         guard.set_outcome(settlement);
         let settle_started = Instant::now();
         if !self.settle(&claim, attempt, settlement).await {
-            let give_up_at = Instant::now() + route.retention.min(SETTLE_RETRY_HORIZON);
-            self.settle_in_background(claim, attempt, settlement, give_up_at, guard);
+            self.settle_in_background(claim, attempt, settlement, route.retention, guard);
         }
         let settle_time = settle_started.elapsed();
         let answer = match result {
@@ -462,77 +498,6 @@ impl Proxy {
             }
         };
         (answer, Some(upstream_time), settle_time)
-    }
-
-    /// Writes a settlement; false when the store failed (not when fenced out).
-    async fn settle(&self, claim: &ClaimRequest, attempt: i32, settlement: Settlement) -> bool {
-        let written = self
-            .metrics
-            .time_store(
-                "settle",
-                self.store
-                    .settle(&claim.source, &claim.key, attempt, settlement),
-            )
-            .await;
-        match written {
-            Ok(true) => true,
-            Ok(false) => {
-                tracing::warn!(
-                    route = &*claim.source,
-                    key = %claim.key,
-                    attempt,
-                    "claim was taken over after its lease expired; outcome not recorded"
-                );
-                true
-            }
-            Err(error) => {
-                tracing::warn!(route = &*claim.source, key = %claim.key, attempt, %error, "settle failed; retrying in the background");
-                false
-            }
-        }
-    }
-
-    /// Retries a failed settle until it is written or fenced out. Past the
-    /// lease the write is still worth making: the fence keeps it off a new
-    /// owner's row, and until a delivery takes the key over it records an
-    /// effect that really happened, which is what keeps that delivery from
-    /// being forwarded again. Gives up after the route's retention, when the
-    /// key would be pruned anyway.
-    fn settle_in_background(
-        &self,
-        claim: ClaimRequest,
-        attempt: i32,
-        settlement: Settlement,
-        give_up_at: Instant,
-        guard: open_claims::ClaimGuard,
-    ) {
-        let store = self.store.clone();
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            let mut delay = Duration::from_millis(100);
-            while Instant::now() + delay < give_up_at {
-                tokio::time::sleep(delay).await;
-                let write = store.settle(&claim.source, &claim.key, attempt, settlement);
-                match metrics.time_store("settle", write).await {
-                    Ok(true) => {
-                        tracing::info!(route = &*claim.source, key = %claim.key, attempt, status = settlement.status.as_str(), "settled in the background");
-                        drop(guard);
-                        return;
-                    }
-                    Ok(false) => {
-                        // An earlier try may have been written with its reply lost.
-                        tracing::warn!(route = &*claim.source, key = %claim.key, attempt, "settle in the background found the claim no longer processing under this attempt: written by an earlier try, or taken over after its lease expired");
-                        drop(guard);
-                        return;
-                    }
-                    Err(_) => {}
-                }
-                // Short, so the write lands soon after the store returns,
-                // before a retry of the event can take the key over.
-                delay = (delay * 2).min(SETTLE_RETRY_MAX_DELAY);
-            }
-            tracing::error!(route = &*claim.source, key = %claim.key, attempt, "settle never succeeded within the key's retention");
-        });
     }
 
     async fn pass(&self, route: &Route, request: Checked, reason: PassReason) -> Answer {
@@ -574,70 +539,6 @@ impl Proxy {
             ))),
         }
     }
-
-    fn count_claim(&self, route: &Route, key: &str, claim: &Claim) {
-        let result = match claim {
-            Claim::Won {
-                from: WonFrom::New, ..
-            } => "won_new",
-            Claim::Won {
-                from: WonFrom::Failed,
-                ..
-            } => "won_failed",
-            Claim::Won {
-                from: WonFrom::ExpiredLease,
-                ..
-            } => "won_expired_lease",
-            Claim::Done { .. } => "lost_done",
-            Claim::InFlight { .. } => "lost_in_flight",
-        };
-        self.metrics
-            .claims
-            .with_label_values(&[&*route.name, result])
-            .inc();
-        if let Claim::Done { age, .. } = claim {
-            self.metrics
-                .duplicate_age
-                .with_label_values(&[&*route.name])
-                .observe(age.as_secs_f64());
-        }
-        if claim.payload_mismatch() {
-            self.metrics
-                .payload_mismatch
-                .with_label_values(&[&*route.name])
-                .inc();
-            tracing::warn!(
-                route = &*route.name,
-                key,
-                "event id delivered again with a different body"
-            );
-        }
-    }
-
-    fn count_upstream(
-        &self,
-        route: &Route,
-        result: &Result<Response<Incoming>, UpstreamError>,
-        took: Duration,
-    ) {
-        let class = match result {
-            Ok(response) => match response.status().as_u16() {
-                200..=299 => "2xx",
-                300..=399 => "3xx",
-                400..=499 => "4xx",
-                _ => "5xx",
-            },
-            Err(UpstreamError::Timeout(_)) => "timeout",
-            Err(_) => "connect_error",
-        };
-        self.metrics
-            .upstream_responses
-            .with_label_values(&[&*route.name, class])
-            .inc();
-        self.metrics
-            .upstream_duration(&route.name)
-            .observe(took.as_secs_f64());
-    }
 }
 
 /// Whether the request's framing could be read two ways by two servers (the
@@ -653,54 +554,6 @@ fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
         }
         (Some(_), Some(_)) => true,
     }
-}
-
-/// Counts a request in `dedupe_in_flight_requests` until dropped, however
-/// the request ends.
-struct InFlight(prometheus::IntGauge);
-
-impl InFlight {
-    fn count(gauge: &prometheus::IntGauge) -> Self {
-        gauge.inc();
-        Self(gauge.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
-/// The one log line per request: at info for webhooks, at debug for
-/// unmatched traffic the proxy merely passes along.
-fn log_request(webhook: bool, route: &str, trace: &Trace, answer: &Answer, started: Instant) {
-    macro_rules! line {
-        ($level:expr) => {
-            tracing::event!(
-                $level,
-                route,
-                key = trace.key,
-                outcome = answer.metric_outcome(),
-                attempt = trace.attempt,
-                upstream_status = answer.upstream_status(),
-                store_ms = millis(trace.store_time),
-                upstream_ms = trace.upstream_time.map(millis),
-                total_ms = millis(started.elapsed()),
-                "webhook"
-            )
-        };
-    }
-    if webhook {
-        line!(tracing::Level::INFO);
-    } else {
-        line!(tracing::Level::DEBUG);
-    }
-}
-
-/// Milliseconds with microsecond precision, for log fields.
-fn millis(duration: Duration) -> f64 {
-    (duration.as_secs_f64() * 1e6).round() / 1e3
 }
 
 fn full(body: Bytes) -> http_body_util::combinators::BoxBody<Bytes, hyper::Error> {

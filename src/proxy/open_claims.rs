@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::SETTLE_RETRY_MAX_DELAY;
+use super::settle::SETTLE_RETRY_MAX_DELAY;
 use crate::store::{Settlement, Store};
 
 /// One won, unsettled claim.

@@ -1,0 +1,94 @@
+//! Writing a claim's outcome: once before the answer goes back, and, when the
+//! store fails that write, again in the background until it is written or
+//! fenced out.
+
+use std::time::{Duration, Instant};
+
+use super::Proxy;
+use super::open_claims::ClaimGuard;
+use crate::store::{ClaimRequest, Settlement};
+
+/// The longest pause between retries of a settle, in the background and at
+/// shutdown.
+pub(super) const SETTLE_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
+/// The longest a settle is retried, whatever the retention.
+const SETTLE_RETRY_HORIZON: Duration = Duration::from_secs(30 * 86400);
+
+impl Proxy {
+    /// Writes a settlement; false when the store failed (not when fenced out).
+    pub(super) async fn settle(
+        &self,
+        claim: &ClaimRequest,
+        attempt: i32,
+        settlement: Settlement,
+    ) -> bool {
+        let written = self
+            .metrics
+            .time_store(
+                "settle",
+                self.store
+                    .settle(&claim.source, &claim.key, attempt, settlement),
+            )
+            .await;
+        match written {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(
+                    route = &*claim.source,
+                    key = %claim.key,
+                    attempt,
+                    "claim was taken over after its lease expired; outcome not recorded"
+                );
+                true
+            }
+            Err(error) => {
+                tracing::warn!(route = &*claim.source, key = %claim.key, attempt, %error, "settle failed; retrying in the background");
+                false
+            }
+        }
+    }
+
+    /// Retries a failed settle until it is written or fenced out. Past the
+    /// lease the write is still worth making: the fence keeps it off a new
+    /// owner's row, and until a delivery takes the key over it records an
+    /// effect that really happened, which is what keeps that delivery from
+    /// being forwarded again. Gives up after the route's retention, when the
+    /// key would be pruned anyway.
+    pub(super) fn settle_in_background(
+        &self,
+        claim: ClaimRequest,
+        attempt: i32,
+        settlement: Settlement,
+        retention: Duration,
+        guard: ClaimGuard,
+    ) {
+        let give_up_at = Instant::now() + retention.min(SETTLE_RETRY_HORIZON);
+        let store = self.store.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let mut delay = Duration::from_millis(100);
+            while Instant::now() + delay < give_up_at {
+                tokio::time::sleep(delay).await;
+                let write = store.settle(&claim.source, &claim.key, attempt, settlement);
+                match metrics.time_store("settle", write).await {
+                    Ok(true) => {
+                        tracing::info!(route = &*claim.source, key = %claim.key, attempt, status = settlement.status.as_str(), "settled in the background");
+                        drop(guard);
+                        return;
+                    }
+                    Ok(false) => {
+                        // An earlier try may have been written with its reply lost.
+                        tracing::warn!(route = &*claim.source, key = %claim.key, attempt, "settle in the background found the claim no longer processing under this attempt: written by an earlier try, or taken over after its lease expired");
+                        drop(guard);
+                        return;
+                    }
+                    Err(_) => {}
+                }
+                // Short, so the write lands soon after the store returns,
+                // before a retry of the event can take the key over.
+                delay = (delay * 2).min(SETTLE_RETRY_MAX_DELAY);
+            }
+            tracing::error!(route = &*claim.source, key = %claim.key, attempt, "settle never succeeded within the key's retention");
+        });
+    }
+}
