@@ -26,7 +26,7 @@ use crate::proxy::Proxy;
 use crate::prune::{PrunePlan, Pruner};
 use crate::store::{Store, StoreError};
 use crate::tls::{CertificateReloader, TlsError};
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_rustls::TlsAcceptor;
 
 /// Header fields per request; more get 431.
@@ -140,6 +140,10 @@ impl Application {
 
     /// Serves until `stop` is cancelled, then drains and settles.
     pub async fn run_until_stopped(self, stop: CancellationToken) {
+        // Listened for with or without TLS, and before anything answers:
+        // SIGHUP's default action ends the process on the spot, without the
+        // drain or the final settles.
+        let hangups = signal(SignalKind::hangup());
         tracing::info!(
             listen = %self.webhook_addr(),
             admin_listen = %self.admin_addr(),
@@ -159,9 +163,7 @@ impl Application {
         // drain `/readyz` says so and `/metrics` can still be scraped.
         let admin_stop = CancellationToken::new();
         let admin_task = tokio::spawn(serve_admin(self.admin_listener, admin, admin_stop.clone()));
-        if let Some(reloader) = self.tls {
-            tokio::spawn(reload_on_sighup(reloader, stop.clone()));
-        }
+        tokio::spawn(reload_on_sighup(hangups, self.tls, stop.clone()));
         self.serving.accept(self.webhook_listener, &stop).await;
         self.admin.shutting_down.store(true, Ordering::Release);
         let deadline = Instant::now() + self.shutdown_grace;
@@ -283,17 +285,25 @@ fn http2_builder() -> http2::Builder<TokioExecutor> {
 
 /// Re-reads the certificate and key on SIGHUP; a bad pair is logged and the
 /// previous one kept.
-async fn reload_on_sighup(reloader: Arc<CertificateReloader>, stop: CancellationToken) {
-    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-        tracing::warn!("cannot listen for SIGHUP; TLS certificates will not be reloaded");
-        return;
+async fn reload_on_sighup(
+    hangups: std::io::Result<Signal>,
+    reloader: Option<Arc<CertificateReloader>>,
+    stop: CancellationToken,
+) {
+    let mut hangups = match hangups {
+        Ok(hangups) => hangups,
+        Err(error) => {
+            tracing::warn!(%error, "cannot listen for SIGHUP; TLS certificates will not be reloaded");
+            return;
+        }
     };
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
-            _ = hangups.recv() => match reloader.reload() {
-                Ok(()) => tracing::info!("SIGHUP: TLS certificate reloaded"),
-                Err(error) => tracing::error!(%error, "SIGHUP: TLS certificate not reloaded; keeping the previous one"),
+            _ = hangups.recv() => match reloader.as_deref().map(CertificateReloader::reload) {
+                None => tracing::info!("SIGHUP: no TLS listener, nothing to reload"),
+                Some(Ok(())) => tracing::info!("SIGHUP: TLS certificate reloaded"),
+                Some(Err(error)) => tracing::error!(%error, "SIGHUP: TLS certificate not reloaded; keeping the previous one"),
             },
         }
     }

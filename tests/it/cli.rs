@@ -520,6 +520,33 @@ async fn sigterm_stops_the_binary_with_exit_code_0() {
     assert_eq!(proxy.wait().await.code(), Some(0));
 }
 
+/// SIGHUP's default action would end the process at once, skipping the drain
+/// and the final settles; without a TLS listener there is nothing to reload.
+#[tokio::test]
+async fn sighup_without_tls_is_logged_and_the_proxy_keeps_serving() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let mut proxy = ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\n",
+        upstream.url(),
+        store.url
+    ))
+    .await;
+    proxy.wait_ready().await;
+    proxy.signal("HUP");
+    proxy.wait_for_log("SIGHUP: no TLS listener").await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(b"GET /status HTTP/1.1\r\nhost: app\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    proxy.terminate();
+    assert_eq!(proxy.wait().await.code(), Some(0));
+}
+
 /// Out of file descriptors, the proxy pauses accepting instead of retrying
 /// at once, and serves again as soon as connections close.
 #[tokio::test]
