@@ -28,6 +28,46 @@ const AGE_BUCKETS: &[f64] = &[
     30.0 * 86400.0,
 ];
 
+/// Every value each label can take, so that every series the proxy may
+/// record exists at zero from start-up: `rate()` and `increase()` see the
+/// first event of a series only when the series was already there.
+pub mod labels {
+    /// `dedupe_requests_total{outcome}` on a configured route.
+    pub const OUTCOMES: &[&str] = &[
+        "forwarded",
+        "duplicate",
+        "in_flight",
+        "rejected_missing_key",
+        "rejected_signature",
+        "rejected_too_large",
+        "rejected_bad_request",
+        "rejected_payload_mismatch",
+        "store_unavailable",
+        "upstream_error",
+        "passthrough",
+        "overloaded",
+    ];
+    /// `dedupe_requests_total{outcome}` with `route="unmatched"`.
+    pub const UNMATCHED_OUTCOMES: &[&str] = &[
+        "passthrough",
+        "upstream_error",
+        "rejected_bad_request",
+        "overloaded",
+    ];
+    /// `dedupe_claims_total{result}`.
+    pub const CLAIM_RESULTS: &[&str] = &[
+        "won_new",
+        "won_failed",
+        "won_expired_lease",
+        "lost_done",
+        "lost_in_flight",
+    ];
+    /// `dedupe_upstream_responses_total{class}`.
+    pub const UPSTREAM_CLASSES: &[&str] = &["2xx", "3xx", "4xx", "5xx", "timeout", "connect_error"];
+    /// `dedupe_store_duration_seconds{op}` and `dedupe_store_errors_total{op}`.
+    pub const STORE_OPS: &[&str] = &["claim", "settle", "prune"];
+}
+
 /// Every metric the proxy exports.
 #[derive(Clone)]
 pub struct Metrics {
@@ -147,6 +187,33 @@ impl Metrics {
             .register(Box::new(build_info))
             .expect("unique metric");
         metrics
+    }
+
+    /// Creates every series the proxy can record for `routes` (the
+    /// configured route names) and requests matching none, at zero.
+    pub fn start_at_zero<'a>(&self, routes: impl IntoIterator<Item = &'a str>) {
+        for route in routes {
+            for outcome in labels::OUTCOMES {
+                self.requests.with_label_values(&[route, outcome]);
+            }
+            for result in labels::CLAIM_RESULTS {
+                self.claims.with_label_values(&[route, result]);
+            }
+            for class in labels::UPSTREAM_CLASSES {
+                self.upstream_responses.with_label_values(&[route, class]);
+            }
+            self.upstream_duration.with_label_values(&[route]);
+            self.payload_mismatch.with_label_values(&[route]);
+            self.duplicate_age.with_label_values(&[route]);
+        }
+        for outcome in labels::UNMATCHED_OUTCOMES {
+            self.requests
+                .with_label_values(&[crate::config::UNMATCHED_ROUTE, outcome]);
+        }
+        for op in labels::STORE_OPS {
+            self.store_duration.with_label_values(&[op]);
+            self.store_errors.with_label_values(&[op]);
+        }
     }
 
     /// Times a store operation into `dedupe_store_duration_seconds` and counts

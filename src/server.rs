@@ -89,6 +89,7 @@ impl Application {
         };
         let store = Store::open(&config.store)?;
         let metrics = Metrics::new();
+        metrics.start_at_zero(config.routes.iter().map(|route| route.name.as_str()));
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await

@@ -237,3 +237,62 @@ fn with_retry_after(mut response: Response<Body>, retry_after: Duration) -> Resp
     response.headers_mut().insert(RETRY_AFTER, seconds.into());
     response
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::metrics::labels;
+
+    /// The answers made without an upstream response; those with one are
+    /// `forwarded` or `passthrough`, or in shadow mode one of these.
+    fn answers_without_a_response() -> Vec<Answer> {
+        let wait = Duration::from_secs(1);
+        let mut answers = vec![
+            Answer::Duplicate(StatusCode::OK),
+            Answer::InFlight(StatusCode::CONFLICT, wait),
+            Answer::UpstreamError(UpstreamError::Timeout(wait)),
+        ];
+        answers.extend(
+            [
+                Rejection::MissingKey,
+                Rejection::BadRequest(String::new()),
+                Rejection::Signature(String::new()),
+                Rejection::NoRoute,
+                Rejection::Timeout,
+                Rejection::TooLarge(1),
+                Rejection::PayloadMismatch,
+            ]
+            .map(Answer::Rejected),
+        );
+        answers.extend(
+            [
+                Unavailable::Store,
+                Unavailable::LeaseTooShort,
+                Unavailable::Overloaded,
+            ]
+            .map(|why| Answer::Unavailable(why, wait)),
+        );
+        answers
+    }
+
+    #[test]
+    fn every_outcome_is_created_at_start_up() {
+        for answer in answers_without_a_response() {
+            let outcome = answer.metric_outcome();
+            assert!(labels::OUTCOMES.contains(&outcome), "{outcome}");
+        }
+        for outcome in ["forwarded", "passthrough"] {
+            assert!(labels::OUTCOMES.contains(&outcome), "{outcome}");
+        }
+        for unmatched in [
+            Answer::Rejected(Rejection::NoRoute),
+            Answer::Unavailable(Unavailable::Overloaded, Duration::ZERO),
+            Answer::UpstreamError(UpstreamError::Connect(String::new())),
+        ] {
+            let outcome = unmatched.metric_outcome();
+            assert!(labels::UNMATCHED_OUTCOMES.contains(&outcome), "{outcome}");
+        }
+    }
+}

@@ -12,24 +12,9 @@ use crate::upstream::UpstreamError;
 
 impl Proxy {
     pub(super) fn count_claim(&self, route: &Route, key: &str, claim: &Claim) {
-        let result = match claim {
-            Claim::Won {
-                from: WonFrom::New, ..
-            } => "won_new",
-            Claim::Won {
-                from: WonFrom::Failed,
-                ..
-            } => "won_failed",
-            Claim::Won {
-                from: WonFrom::ExpiredLease,
-                ..
-            } => "won_expired_lease",
-            Claim::Done { .. } => "lost_done",
-            Claim::InFlight { .. } => "lost_in_flight",
-        };
         self.metrics
             .claims
-            .with_label_values(&[&*route.name, result])
+            .with_label_values(&[&*route.name, claim_result(claim)])
             .inc();
         if let Claim::Done { age, .. } = claim {
             self.metrics
@@ -56,16 +41,7 @@ impl Proxy {
         result: &Result<Response<Incoming>, UpstreamError>,
         took: Duration,
     ) {
-        let class = match result {
-            Ok(response) => match response.status().as_u16() {
-                200..=299 => "2xx",
-                300..=399 => "3xx",
-                400..=499 => "4xx",
-                _ => "5xx",
-            },
-            Err(UpstreamError::Timeout(_)) => "timeout",
-            Err(_) => "connect_error",
-        };
+        let class = upstream_class(result.as_ref().map(|response| response.status().as_u16()));
         self.metrics
             .upstream_responses
             .with_label_values(&[&*route.name, class])
@@ -73,6 +49,38 @@ impl Proxy {
         self.metrics
             .upstream_duration(&route.name)
             .observe(took.as_secs_f64());
+    }
+}
+
+/// The `result` label of `dedupe_claims_total`.
+fn claim_result(claim: &Claim) -> &'static str {
+    match claim {
+        Claim::Won {
+            from: WonFrom::New, ..
+        } => "won_new",
+        Claim::Won {
+            from: WonFrom::Failed,
+            ..
+        } => "won_failed",
+        Claim::Won {
+            from: WonFrom::ExpiredLease,
+            ..
+        } => "won_expired_lease",
+        Claim::Done { .. } => "lost_done",
+        Claim::InFlight { .. } => "lost_in_flight",
+    }
+}
+
+/// The `class` label of `dedupe_upstream_responses_total`, from the status
+/// the upstream answered with or why it did not.
+fn upstream_class(answered: Result<u16, &UpstreamError>) -> &'static str {
+    match answered {
+        Ok(200..=299) => "2xx",
+        Ok(300..=399) => "3xx",
+        Ok(400..=499) => "4xx",
+        Ok(_) => "5xx",
+        Err(UpstreamError::Timeout(_)) => "timeout",
+        Err(_) => "connect_error",
     }
 }
 
@@ -128,4 +136,47 @@ pub(super) fn log_request(
 /// Milliseconds with microsecond precision, for log fields.
 fn millis(duration: Duration) -> f64 {
     (duration.as_secs_f64() * 1e6).round() / 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::labels;
+
+    #[test]
+    fn every_claim_result_and_upstream_class_is_created_at_start_up() {
+        let age = Duration::ZERO;
+        let payload_mismatch = false;
+        let wins = [WonFrom::New, WonFrom::Failed, WonFrom::ExpiredLease].map(|from| Claim::Won {
+            attempt: 1,
+            from,
+            payload_mismatch,
+        });
+        let losses = [
+            Claim::Done {
+                age,
+                payload_mismatch,
+            },
+            Claim::InFlight { payload_mismatch },
+        ];
+        for claim in wins.iter().chain(&losses) {
+            assert!(
+                labels::CLAIM_RESULTS.contains(&claim_result(claim)),
+                "{claim:?}"
+            );
+        }
+        let errors = [
+            UpstreamError::Timeout(Duration::ZERO),
+            UpstreamError::Connect(String::new()),
+            UpstreamError::Failed(String::new()),
+        ];
+        let answered = [200, 302, 404, 503].map(Ok);
+        for class in answered
+            .into_iter()
+            .chain(errors.iter().map(Err))
+            .map(upstream_class)
+        {
+            assert!(labels::UPSTREAM_CLASSES.contains(&class), "{class}");
+        }
+    }
 }

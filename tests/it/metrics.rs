@@ -11,6 +11,7 @@ use crate::on_both_stores;
 use crate::support::{Backend, Behavior, Gate, TestApp};
 
 on_both_stores!(
+    every_series_exists_at_zero_from_start_up,
     scripted_traffic_gives_exact_metric_values,
     an_unreachable_upstream_counts_as_a_connect_error,
 );
@@ -47,6 +48,15 @@ fn series(expected: &[(&[(&str, &str)], f64)]) -> Series {
         .collect()
 }
 
+/// The series that have counted something: every series the proxy may
+/// record exists from start-up, at zero.
+fn counted(series: Series) -> Series {
+    series
+        .into_iter()
+        .filter(|(_, value)| *value != 0.0)
+        .collect()
+}
+
 async fn scrape(app: &TestApp) -> Exposition {
     let response = app.admin_get("/metrics").await;
     assert_eq!(response.status, 200);
@@ -55,6 +65,47 @@ async fn scrape(app: &TestApp) -> Exposition {
         Some("text/plain; version=0.0.4; charset=utf-8")
     );
     Exposition::parse(&response.body)
+}
+
+/// A series born at its first event hides that event from `rate()` and
+/// `increase()`, so an alert on the first payload mismatch or store error
+/// after a restart would never fire.
+async fn every_series_exists_at_zero_from_start_up(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let metrics = scrape(&app).await;
+    assert_families_and_labels(&metrics);
+    for (family, _) in FAMILIES {
+        assert!(metrics.types.contains_key(*family), "{family} is exposed");
+    }
+    let routes = ["orders", "json"];
+    let sizes = [
+        ("dedupe_requests_total", routes.len() * 12 + 4),
+        ("dedupe_claims_total", routes.len() * 5),
+        ("dedupe_upstream_responses_total", routes.len() * 6),
+        ("dedupe_payload_mismatch_total", routes.len()),
+        ("dedupe_store_errors_total", 3),
+        ("dedupe_upstream_duration_seconds_count", routes.len()),
+        ("dedupe_duplicate_age_seconds_count", routes.len()),
+        ("dedupe_store_duration_seconds_count", 3),
+    ];
+    for (name, size) in sizes {
+        let series = metrics.series(name);
+        assert_eq!(series.len(), size, "{name}: {series:?}");
+        assert!(counted(series).is_empty(), "{name} starts at zero");
+    }
+    for outcome in [
+        "passthrough",
+        "upstream_error",
+        "rejected_bad_request",
+        "overloaded",
+    ] {
+        let labels = [("outcome", outcome), ("route", "unmatched")];
+        assert_eq!(
+            metrics.value("dedupe_requests_total", &labels),
+            Some(0.0),
+            "{outcome}"
+        );
+    }
 }
 
 async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
@@ -136,7 +187,7 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
     let metrics = scrape(&app).await;
     assert_families_and_labels(&metrics);
     assert_eq!(
-        metrics.series("dedupe_requests_total"),
+        counted(metrics.series("dedupe_requests_total")),
         series(&[
             (&[("route", "orders"), ("outcome", "forwarded")], 6.0),
             (&[("route", "orders"), ("outcome", "duplicate")], 2.0),
@@ -158,7 +209,7 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         ])
     );
     assert_eq!(
-        metrics.series("dedupe_claims_total"),
+        counted(metrics.series("dedupe_claims_total")),
         series(&[
             (&[("route", "orders"), ("result", "won_new")], 6.0),
             (&[("route", "orders"), ("result", "won_failed")], 1.0),
@@ -167,7 +218,7 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         ])
     );
     assert_eq!(
-        metrics.series("dedupe_upstream_responses_total"),
+        counted(metrics.series("dedupe_upstream_responses_total")),
         series(&[
             (&[("route", "orders"), ("class", "2xx")], 3.0),
             (&[("route", "orders"), ("class", "3xx")], 1.0),
@@ -177,10 +228,10 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         ])
     );
     assert_eq!(
-        metrics.series("dedupe_payload_mismatch_total"),
+        counted(metrics.series("dedupe_payload_mismatch_total")),
         series(&[(&[("route", "orders")], 1.0)])
     );
-    assert!(metrics.series("dedupe_store_errors_total").is_empty());
+    assert!(counted(metrics.series("dedupe_store_errors_total")).is_empty());
     assert_eq!(metrics.value("dedupe_keys_pruned_total", &[]), Some(0.0));
     assert_eq!(metrics.value("dedupe_in_flight_requests", &[]), Some(0.0));
     assert_eq!(
@@ -190,7 +241,7 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
 
     // Histogram counts match the traffic: 7 upstream calls on the route, 10
     // claims, 7 settles, 2 duplicates; nothing else was observed.
-    let counts = |family: &str| metrics.series(&format!("{family}_count"));
+    let counts = |family: &str| counted(metrics.series(&format!("{family}_count")));
     assert_eq!(
         counts("dedupe_upstream_duration_seconds"),
         series(&[(&[("route", "orders")], 7.0)])
@@ -240,15 +291,15 @@ async fn an_unreachable_upstream_counts_as_a_connect_error(backend: Backend) {
     let metrics = scrape(&app).await;
     assert_families_and_labels(&metrics);
     assert_eq!(
-        metrics.series("dedupe_upstream_responses_total"),
+        counted(metrics.series("dedupe_upstream_responses_total")),
         series(&[(&[("route", "orders"), ("class", "connect_error")], 1.0)])
     );
     assert_eq!(
-        metrics.series("dedupe_requests_total"),
+        counted(metrics.series("dedupe_requests_total")),
         series(&[(&[("route", "orders"), ("outcome", "upstream_error")], 1.0)])
     );
     assert_eq!(
-        metrics.series("dedupe_claims_total"),
+        counted(metrics.series("dedupe_claims_total")),
         series(&[(&[("route", "orders"), ("result", "won_new")], 1.0)])
     );
 }

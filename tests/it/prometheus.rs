@@ -34,7 +34,7 @@ async fn prometheus_scrapes_the_proxy_with_the_shipped_configuration() {
     let mut prometheus = Prometheus::start(app.admin).await;
 
     let series = prometheus
-        .query_until("dedupe_requests_total", |series| series.len() >= 4)
+        .query_until("dedupe_requests_total > 0", |series| series.len() >= 4)
         .await;
     let instance = app.admin.to_string();
     let mut seen: Vec<String> = series
