@@ -229,6 +229,7 @@ impl Config {
                 problems.push(format!("{at}.methods: `{method}` is not an HTTP method"));
             }
         }
+        let before_key = problems.len();
         match &route.key {
             None if route.provider.is_none() => problems.push(format!(
                 "{at}.key: required without a provider: `{{ header: NAME }}` or `{{ json: /pointer }}`"
@@ -240,6 +241,7 @@ impl Config {
                 }
             }
         }
+        let key_is_valid = problems.len() == before_key;
         match (&route.provider, &route.signature, route.secrets.is_empty()) {
             (Some(_), Some(_), _) => problems.push(format!(
                 "{at}.signature: a provider brings its own signature scheme; remove one of them"
@@ -269,9 +271,9 @@ impl Config {
             effective.in_flight_status.unwrap_or_default(),
             problems,
         );
-        // Secrets are resolved and schemes built only for an otherwise valid
-        // route, so each problem is reported once.
-        if problems.len() > before {
+        // Secrets are resolved and schemes built only for a route whose key
+        // and statuses are valid: compiling would report those again.
+        if problems.len() > before || !key_is_valid {
             return;
         }
         if secrets == Secrets::Ignore {
@@ -494,6 +496,19 @@ mod tests {
                 problems.iter().any(|p| p.starts_with(field)),
                 "{field} missing from {problems:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_bad_key_is_reported_once() {
+        for route in [
+            "{ name: a, path: /a }",
+            "{ name: a, path: /a, key: { json: no-slash } }",
+            "{ name: a, path: /a, key: { header: 'bad name' } }",
+        ] {
+            let problems = problems(&format!("routes: [{route}]"));
+            assert_eq!(problems.len(), 1, "{route}: {problems:?}");
+            assert!(problems[0].starts_with("routes[0] (a).key"), "{problems:?}");
         }
     }
 
