@@ -218,8 +218,15 @@ fn forwarded_for(previous: GetAll<'_, HeaderValue>, client: &HeaderValue) -> Hea
     HeaderValue::from_bytes(&joined).unwrap_or_else(|_| client.clone())
 }
 
+/// Fields kept whatever `Connection` names: RFC 9110 section 7.6.1 forbids
+/// naming a field meant for every recipient, and a sender that names these
+/// anyway must not take the request's `Host`, or the chain of addresses the
+/// proxy appends to, away from the upstream.
+const END_TO_END: [&str; 2] = ["host", "x-forwarded-for"];
+
 /// Removes the fields that describe one connection, not the message: the
-/// fixed hop-by-hop set and every field the `Connection` header names.
+/// fixed hop-by-hop set and every field the `Connection` header names
+/// (except [`END_TO_END`] ones).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let present = headers
         .keys()
@@ -277,7 +284,9 @@ fn remove_hop_by_hop(headers: &mut HeaderMap, present: u8) {
             .filter(|name| {
                 !HOP_BY_HOP
                     .iter()
-                    .any(|hop| name.eq_ignore_ascii_case(hop.as_str()))
+                    .map(HeaderName::as_str)
+                    .chain(END_TO_END)
+                    .any(|field| name.eq_ignore_ascii_case(field))
             })
             .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
             .collect();
@@ -344,6 +353,21 @@ mod tests {
         strip_hop_by_hop(&mut headers);
         let left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
         assert_eq!(left, ["x-kept"]);
+    }
+
+    #[test]
+    fn connection_cannot_remove_host_or_the_forwarded_for_chain() {
+        let mut parts = parts(&[
+            ("host", "hooks.example"),
+            ("connection", "Host, X-Forwarded-For, x-private"),
+            ("x-forwarded-for", "192.0.2.1"),
+            ("x-private", "1"),
+        ]);
+        prepare_request_headers(&mut parts, &peer(), None, &default_host());
+        assert_eq!(parts.headers["host"], "hooks.example");
+        assert_eq!(parts.headers["x-forwarded-host"], "hooks.example");
+        assert_eq!(parts.headers["x-forwarded-for"], "192.0.2.1, 10.1.2.3");
+        assert!(!parts.headers.contains_key("x-private"));
     }
 
     #[test]
