@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderValue, Request, Response, header};
+use http::{HeaderValue, Request, Response, Version, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use sha2::{Digest, Sha256};
@@ -167,10 +167,11 @@ impl Proxy {
         let mut trace = Trace::default();
         let route = self.routes.find(request.method(), request.uri().path());
         let route_name = route.map_or(UNMATCHED_ROUTE, |route| &*route.name);
+        let malformed = malformation(&request);
         let answer = match self.concurrency.try_acquire() {
-            _ if is_ambiguously_framed(request.headers()) => Answer::Rejected(
-                Rejection::BadRequest("ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length".into()),
-            ),
+            _ if let Some(problem) = malformed => {
+                Answer::Rejected(Rejection::BadRequest(problem.into()))
+            }
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
             // Boxed: hyper keeps one slot per connection for this future from
             // the connection's first request to its close, so what it holds
@@ -541,18 +542,32 @@ impl Proxy {
     }
 }
 
-/// Whether the request's framing could be read two ways by two servers (the
-/// request-smuggling pattern): both `Content-Length` and `Transfer-Encoding`,
-/// or a transfer coding other than one `chunked`.
-fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
+/// What makes a request one that two servers could read two ways, which
+/// RFC 9112 has a server refuse with 400: framing that could be read two
+/// ways (the request-smuggling pattern: both `Content-Length` and
+/// `Transfer-Encoding`, or a transfer coding other than one `chunked`), or
+/// other than exactly one `Host` in HTTP/1.1.
+fn malformation(request: &Request<Incoming>) -> Option<&'static str> {
+    let headers = request.headers();
     let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter();
-    match (codings.next(), codings.next()) {
+    let ambiguously_framed = match (codings.next(), codings.next()) {
         (None, _) => false,
         (Some(coding), None) => {
             headers.contains_key(header::CONTENT_LENGTH)
                 || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
         }
         (Some(_), Some(_)) => true,
+    };
+    let mut hosts = headers.get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        _ if ambiguously_framed => Some(
+            "ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length",
+        ),
+        (Some(_), Some(_)) => Some("more than one Host field"),
+        (None, _) if request.version() == Version::HTTP_11 => {
+            Some("an HTTP/1.1 request needs a Host field")
+        }
+        _ => None,
     }
 }
 

@@ -65,6 +65,35 @@ async fn request_smuggling_patterns_are_refused() {
     assert_healthy_and_untouched(&app).await;
 }
 
+/// RFC 9112 section 3.2: an HTTP/1.1 request with no `Host`, or with more
+/// than one, is answered 400; HTTP/1.0 may leave it out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http11_needs_exactly_one_host() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let refused: [&[u8]; 3] = [
+        b"POST /hooks/orders HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\nX-Event-Id: h1\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/orders HTTP/1.1\r\nX-Event-Id: h2\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /elsewhere HTTP/1.1\r\n\r\n",
+    ];
+    for request in refused {
+        let status = raw(&app, request).await;
+        assert!(
+            status.starts_with("HTTP/1.1 400"),
+            "{status} for {}",
+            String::from_utf8_lossy(request)
+        );
+    }
+    assert_healthy_and_untouched(&app).await;
+    let status = raw(
+        &app,
+        b"POST /hooks/orders HTTP/1.0\r\nX-Event-Id: h3\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    .await;
+    assert!(status.starts_with("HTTP/1.0 200"), "{status}");
+    let seen = app.upstream.seen();
+    assert_eq!(seen.last().unwrap().header("x-dedupe-key"), Some("h3"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn content_length_with_chunked_cannot_smuggle_a_second_request() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
