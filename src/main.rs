@@ -73,8 +73,13 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
     print!("{}", serde_yaml::to_string(&config.effective())?);
     // Warnings went to stderr, which keeps stdout parseable YAML.
     if connect {
-        let store = Store::open(&config.store)?;
-        match store.ping().await {
+        // A check leaves no empty SQLite file behind (at a mistyped path,
+        // say); start-up creates it.
+        let reached = match Store::open_existing(&config.store) {
+            Ok(store) => store.ping().await,
+            Err(error) => Err(error),
+        };
+        match reached {
             Ok(()) => eprintln!("store: reachable"),
             // Before the first start or `migrate`, that is expected.
             Err(StoreError::MissingTable) => eprintln!(

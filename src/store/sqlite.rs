@@ -113,10 +113,20 @@ impl SqliteStore {
     }
 
     /// Opens the database file, creating it only if `create`; a missing
-    /// file without `create` is a missing table.
+    /// file without `create` is a missing table (or an error, when its
+    /// directory is missing too).
     pub fn open_with(path: &str, config: &StoreConfig, create: bool) -> Result<Self, StoreError> {
         if !create && !Path::new(path).exists() {
-            return Err(StoreError::MissingTable);
+            // Start-up would create the file, but not its directory.
+            return match Path::new(path).parent() {
+                Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => {
+                    Err(StoreError::Sqlite(format!(
+                        "cannot open {path}: {} is not a directory",
+                        dir.display()
+                    )))
+                }
+                _ => Err(StoreError::MissingTable),
+            };
         }
         if config.table.contains('.') {
             return Err(StoreError::Sqlite(format!(

@@ -407,6 +407,15 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
         "{}",
         out.stderr
     );
+    assert!(
+        !dir.path().join("fresh.db").exists(),
+        "the check created the file"
+    );
+    let missing_dir = format!("sqlite://{}", dir.path().join("typo/fresh.db").display());
+    let config = config.replace(&url, &missing_dir);
+    let out = run(&["check-config", "--connect"], Some(&config), &[]);
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(out.stderr.contains("is not a directory"), "{}", out.stderr);
 }
 
 #[tokio::test]
