@@ -314,6 +314,7 @@ impl Proxy {
             key,
             payload_sha256,
             lease: self.settings.lease,
+            reject_mismatch: route.rejects_mismatched_bodies(),
         };
         let claimed_at = Instant::now();
         let claim = match self.claim(route, &request, trace).await {
@@ -322,9 +323,9 @@ impl Proxy {
         };
         self.count_claim(route, &request.key, &claim);
         match claim {
-            // In shadow mode too: the claim is released and the 422 recorded
-            // as enforcing would, then the caller forwards the delivery
-            // unclaimed.
+            // The store takes no key over for a body the route rejects
+            // (`ClaimRequest::reject_mismatch`); should it have, the claim is
+            // released rather than forwarded.
             Claim::Won { attempt, .. } if route.rejects(&claim) => {
                 self.settle(&request, attempt, Settlement::RELEASED).await;
                 Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch))

@@ -96,7 +96,12 @@ impl Route {
     /// Whether a delivery whose body differs from the key's first one is
     /// answered 422 on this route.
     pub fn rejects(&self, claim: &Claim) -> bool {
-        claim.payload_mismatch() && self.on_payload_mismatch == OnPayloadMismatch::Reject
+        claim.payload_mismatch() && self.rejects_mismatched_bodies()
+    }
+
+    /// Whether `on_payload_mismatch` is `reject`.
+    pub fn rejects_mismatched_bodies(&self) -> bool {
+        self.on_payload_mismatch == OnPayloadMismatch::Reject
     }
 }
 

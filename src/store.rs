@@ -85,6 +85,10 @@ pub struct ClaimRequest {
     pub payload_sha256: [u8; 32],
     /// How long the claim is exclusively held.
     pub lease: Duration,
+    /// The route answers a delivery whose body differs from the key's first
+    /// delivery with 422: such a delivery never takes a `failed` or expired
+    /// key over, so the rejection leaves the row as it was.
+    pub reject_mismatch: bool,
 }
 
 /// The outcome written by `settle`.

@@ -86,8 +86,10 @@ impl Statements {
                         claimed_at = excluded.claimed_at,
                         lease_expires_at = excluded.lease_expires_at,
                         response_status = NULL, completed_at = NULL
-                  WHERE status = 'failed'
-                     OR (status = 'processing' AND lease_expires_at <= excluded.claimed_at)
+                  WHERE (status = 'failed'
+                         OR (status = 'processing' AND lease_expires_at <= excluded.claimed_at))
+                    AND (NOT ?6 OR payload_sha256 IS NULL
+                         OR payload_sha256 = excluded.payload_sha256)
                  RETURNING attempts"
             ),
             settle: format!(
@@ -347,7 +349,8 @@ impl Backend for SqliteStore {
                         request.key,
                         &request.payload_sha256[..],
                         now,
-                        now.saturating_add(lease_ms)
+                        now.saturating_add(lease_ms),
+                        request.reject_mismatch
                     ],
                     |row| row.get(0),
                 )

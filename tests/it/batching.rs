@@ -17,6 +17,7 @@ on_both_stores!(
     keys_repeated_within_a_batch_are_each_won_exactly_once,
     concurrent_settles_are_each_fenced_by_their_own_attempt,
     replicas_racing_for_failed_keys_take_each_back_exactly_once,
+    in_one_batch_only_the_first_body_takes_failed_keys_back_where_others_are_rejected,
 );
 
 fn request(key: &str) -> ClaimRequest {
@@ -25,6 +26,7 @@ fn request(key: &str) -> ClaimRequest {
         key: key.into(),
         payload_sha256: [7; 32],
         lease: Duration::from_secs(60),
+        reject_mismatch: false,
     }
 }
 
@@ -160,6 +162,50 @@ async fn replicas_racing_for_failed_keys_take_each_back_exactly_once(backend: Ba
     }
     for key in &keys {
         assert_eq!(winners.get(key), Some(&1), "{key} is taken back once");
+    }
+}
+
+/// Each row of a batch is judged by its own body and its own route's setting.
+async fn in_one_batch_only_the_first_body_takes_failed_keys_back_where_others_are_rejected(
+    backend: Backend,
+) {
+    let test_store = TestStore::new(backend).await;
+    let store = open(&test_store.url).await;
+    let keys: Vec<String> = (0..40).map(|i| format!("m{i}")).collect();
+    for (key, claim) in claim_all(&store, &keys).await {
+        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
+        let released = store.settle("src", &key, 1, Settlement::RELEASED).await;
+        assert!(released.unwrap(), "{key}");
+    }
+    let calls: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let claim = ClaimRequest {
+                payload_sha256: if i % 2 == 0 { [7; 32] } else { [8; 32] },
+                reject_mismatch: i % 4 != 3,
+                ..request(key)
+            };
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&claim).await.unwrap() })
+        })
+        .collect();
+    for (i, call) in calls.into_iter().enumerate() {
+        let claim = call.await.unwrap();
+        let expected = match i % 4 {
+            // The first body, and another body where it is only counted.
+            0 | 2 => (true, false, 2),
+            3 => (true, true, 2),
+            // Another body where it is rejected: the row is left alone.
+            _ => (false, true, 1),
+        };
+        let attempts = store.show("src", &keys[i]).await.unwrap().unwrap().attempts;
+        let won = matches!(claim, Claim::Won { attempt: 2, .. });
+        assert_eq!(
+            (won, claim.payload_mismatch(), attempts),
+            expected,
+            "{i}: {claim:?}"
+        );
     }
 }
 

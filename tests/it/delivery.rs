@@ -21,7 +21,7 @@ on_both_stores!(
     json_keys_are_read_from_the_body,
     shadow_mode_forwards_everything_but_records_claims,
     payload_mismatch_is_counted_or_rejected,
-    a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_released,
+    a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_left_as_it_was,
     shadow_mode_records_the_payload_mismatches_it_would_reject,
     forwarded_requests_carry_dedupe_and_forwarding_headers,
     unmatched_requests_are_forwarded_untouched,
@@ -272,7 +272,9 @@ async fn payload_mismatch_is_counted_or_rejected(backend: Backend) {
     assert_eq!(app.upstream.count(), 2);
 }
 
-async fn a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_released(backend: Backend) {
+async fn a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_left_as_it_was(
+    backend: Backend,
+) {
     let app = TestApp::spawn(backend, |config| {
         config.routes[1].on_payload_mismatch = Some(OnPayloadMismatch::Reject)
     })
@@ -291,13 +293,13 @@ async fn a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_released(bac
         1,
         "the mismatched retry is not forwarded"
     );
-    // Its claim (attempt 2) was released, not left processing: the original
-    // body's retry is forwarded at once, as attempt 3.
+    // It took no attempt and left the key failed: the original body's retry
+    // is forwarded at once, as attempt 2.
     let retry = app
         .post("/hooks/json", &[], r#"{"id":"evt_f","n":1}"#)
         .await;
     assert_eq!((retry.status, retry.outcome()), (200, "forwarded"));
-    assert_eq!(app.upstream.seen()[1].header("x-dedupe-attempt"), Some("3"));
+    assert_eq!(app.upstream.seen()[1].header("x-dedupe-attempt"), Some("2"));
 }
 
 async fn shadow_mode_records_the_payload_mismatches_it_would_reject(backend: Backend) {
@@ -327,11 +329,11 @@ async fn shadow_mode_records_the_payload_mismatches_it_would_reject(backend: Bac
         None,
         "forwarded unclaimed"
     );
-    // As enforcing would have left it: the failed key was not settled by the
-    // mismatched delivery, so its original body is claimed again (attempt 3).
+    // As enforcing would have left it: the mismatched delivery took no
+    // attempt, so the original body is claimed again as attempt 2.
     app.post("/hooks/json", &[], r#"{"id":"evt_f","n":1}"#)
         .await;
-    assert_eq!(app.upstream.seen()[4].header("x-dedupe-attempt"), Some("3"));
+    assert_eq!(app.upstream.seen()[4].header("x-dedupe-attempt"), Some("2"));
     let metrics = app.admin_get("/metrics").await.body;
     for line in [
         r#"dedupe_requests_total{outcome="rejected_payload_mismatch",route="json"} 2"#,

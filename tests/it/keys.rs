@@ -52,6 +52,7 @@ async fn seeded(backend: Backend) -> (TestStore, String) {
             key: key.into(),
             payload_sha256: Sha256::digest(key).into(),
             lease: HOUR,
+            reject_mismatch: false,
         };
         store.claim(&claim).await.unwrap();
         if let Some((status, code)) = outcome {

@@ -57,6 +57,7 @@ fn claim(source: &str, key: &str, lease: Duration) -> ClaimRequest {
         key: key.into(),
         payload_sha256: [7; 32],
         lease,
+        reject_mismatch: false,
     }
 }
 

@@ -17,6 +17,7 @@ on_both_stores!(
     an_expired_lease_is_taken_over_and_the_old_owner_is_fenced_out,
     only_one_of_many_concurrent_claims_wins,
     a_different_body_is_reported_as_a_mismatch,
+    another_body_never_takes_a_key_over_where_it_is_rejected,
     migration_is_idempotent,
     a_released_claim_fences_out_its_owner_and_the_next_delivery_wins,
     show_returns_every_column_and_forget_deletes,
@@ -41,6 +42,7 @@ fn request(key: &str, body: &[u8], lease: Duration) -> ClaimRequest {
         key: key.into(),
         payload_sha256: sha2::Sha256::digest(body).into(),
         lease,
+        reject_mismatch: false,
     }
 }
 
@@ -92,6 +94,78 @@ async fn a_new_key_is_won_then_in_flight_then_done(backend: Backend) {
         store.claim(&other_source).await.unwrap(),
         Claim::Won { attempt: 1, .. }
     ));
+}
+
+/// A route with `on_payload_mismatch: reject` answers another body 422: its
+/// claim leaves a failed or expired key as it was, so the next delivery with
+/// the first body is attempt 2, not 3.
+async fn another_body_never_takes_a_key_over_where_it_is_rejected(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let rejecting = |key: &str, body: &[u8], lease| ClaimRequest {
+        reject_mismatch: true,
+        ..request(key, body, lease)
+    };
+    for (key, lease) in [("failed", MINUTE), ("expired", Duration::ZERO)] {
+        let first = rejecting(key, b"first", lease);
+        assert!(matches!(
+            store.claim(&first).await.unwrap(),
+            Claim::Won { attempt: 1, .. }
+        ));
+        if lease == MINUTE {
+            assert!(
+                store
+                    .settle("src", key, 1, Settlement::RELEASED)
+                    .await
+                    .unwrap()
+            );
+        }
+        assert_eq!(
+            store
+                .claim(&rejecting(key, b"other", MINUTE))
+                .await
+                .unwrap(),
+            Claim::InFlight {
+                payload_mismatch: true
+            },
+            "{key}"
+        );
+        let record = store.show("src", key).await.unwrap().unwrap();
+        assert_eq!(record.attempts, 1, "{key}: the row was left as it was");
+        let again = store
+            .claim(&rejecting(key, b"first", MINUTE))
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                again,
+                Claim::Won {
+                    attempt: 2,
+                    payload_mismatch: false,
+                    ..
+                }
+            ),
+            "{key}: {again:?}"
+        );
+        assert!(
+            store
+                .settle("src", key, 2, Settlement::RELEASED)
+                .await
+                .unwrap()
+        );
+        // Where another body is only counted, it takes the key over.
+        let warned = store.claim(&request(key, b"other", MINUTE)).await.unwrap();
+        assert!(
+            matches!(
+                warned,
+                Claim::Won {
+                    attempt: 3,
+                    payload_mismatch: true,
+                    ..
+                }
+            ),
+            "{key}: {warned:?}"
+        );
+    }
 }
 
 async fn a_failed_key_is_won_again_with_the_next_attempt(backend: Backend) {

@@ -198,6 +198,7 @@ impl BatchRunner {
                     (&one.key, Type::TEXT),
                     (&&one.payload_sha256[..], Type::BYTEA),
                     (&lease_ms(one), Type::INT8),
+                    (&one.reject_mismatch, Type::BOOL),
                 ];
                 self.session.query(&self.sql.claim_one, params).await?
             }
@@ -206,11 +207,13 @@ impl BatchRunner {
                 let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
                 let hashes: Vec<&[u8]> = requests.iter().map(|r| &r.payload_sha256[..]).collect();
                 let leases: Vec<i64> = requests.iter().map(|r| lease_ms(r)).collect();
+                let rejects: Vec<bool> = requests.iter().map(|r| r.reject_mismatch).collect();
                 let params: &Params<'_> = &[
                     (&sources, Type::TEXT_ARRAY),
                     (&keys, Type::TEXT_ARRAY),
                     (&hashes, Type::BYTEA_ARRAY),
                     (&leases, Type::INT8_ARRAY),
+                    (&rejects, Type::BOOL_ARRAY),
                 ];
                 self.session.query(&self.sql.claim, params).await?
             }

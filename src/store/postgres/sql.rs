@@ -47,7 +47,8 @@ impl Statements {
             // One statement claims a whole batch of keys (no key twice). A new
             // key is decided by the primary key: the INSERT takes it or
             // conflicts. A key that exists is taken back only if it failed or
-            // its lease expired, by an UPDATE that re-checks that condition
+            // its lease expired (and, where the route rejects another body,
+            // only by a delivery with the first one's), by an UPDATE that re-checks that condition
             // on the row's latest version after locking it, so two
             // statements cannot both take it. A `done` or live key is
             // neither written nor locked: a duplicate's statement is
@@ -67,8 +68,8 @@ impl Statements {
             // keys are then claimed one by one.
             claim: format!(
                 "WITH input AS (
-                   SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
-                     WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, ord)
+                   SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::bool[])
+                     WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
                  ), prior AS (
                    SELECT e.source, e.event_id, e.status, e.payload_sha256, e.received_at
                      FROM {table} e JOIN input i USING (source, event_id)
@@ -80,10 +81,12 @@ impl Statements {
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
                  ), retakable AS (
-                   SELECT e.source, e.event_id, i.lease_ms
+                   SELECT e.source, e.event_id, i.lease_ms, i.payload_sha256, i.reject_mismatch
                      FROM {table} e JOIN input i USING (source, event_id)
-                    WHERE e.status = 'failed'
-                       OR (e.status = 'processing' AND e.lease_expires_at <= now())
+                    WHERE (e.status = 'failed'
+                           OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND (NOT i.reject_mismatch OR e.payload_sha256 IS NULL
+                           OR e.payload_sha256 = i.payload_sha256)
                     ORDER BY e.source COLLATE \"C\", e.event_id COLLATE \"C\"
                       FOR UPDATE OF e
                  ), retaken AS (
@@ -95,6 +98,8 @@ impl Statements {
                     WHERE e.source = r.source AND e.event_id = r.event_id
                       AND (e.status = 'failed'
                            OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND (NOT r.reject_mismatch OR e.payload_sha256 IS NULL
+                           OR e.payload_sha256 = r.payload_sha256)
                       AND NOT EXISTS (SELECT 1 FROM inserted n
                                        WHERE n.source = r.source AND n.event_id = r.event_id)
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
@@ -136,6 +141,7 @@ impl Statements {
                     WHERE e.source = $1 AND e.event_id = $2
                       AND (e.status = 'failed'
                            OR (e.status = 'processing' AND e.lease_expires_at <= now()))
+                      AND (NOT $5 OR e.payload_sha256 IS NULL OR e.payload_sha256 = $3)
                       AND NOT EXISTS (SELECT 1 FROM inserted)
                    RETURNING e.attempts, e.payload_sha256
                  ), claimed AS (
