@@ -50,9 +50,11 @@ PGBENCH_KEYS = {
     "cycle": "\\set i random(0, :keys - 1)\n\\set key :nonce * 1000000000000 + 999 * 1000000000 + :i\n",
 }
 # The proxy's parameters, in order, as pgbench variables.
-PGBENCH_PARAMS = {"claim_one": ["source", "key", "sha", "lease_ms"],
+PGBENCH_PARAMS = {"claim_one": ["source", "key", "sha", "lease_ms", "reject_mismatch"],
                   "settle_one": ["source", "key", "attempt", "status", "response_status"]}
 
+# Where the proxy's claim and settle statements are.
+STATEMENTS = "src/store/postgres/sql.rs"
 ROUTE = "orders"
 ROUTE_PATH = "/hooks/orders"
 UNMATCHED_PATH = "/hooks/unrouted"
@@ -675,14 +677,14 @@ class Bench:
 
     def write_pgbench_scripts(self):
         """The pgbench baselines run the proxy's own statements for a batch of
-        one, read from src/store/postgres.rs: a first delivery is the claim
+        one, read from src/store/postgres/sql.rs: a first delivery is the claim
         then the settle, a duplicate the claim alone."""
-        source = (ROOT / "src/store/postgres.rs").read_text()
+        source = (ROOT / STATEMENTS).read_text()
         statements = {}
         for name, params in PGBENCH_PARAMS.items():
             m = re.search(rf"\b{name}: format!\(\s*\"(.*?)\"\s*\)", source, re.S)
             if not m:
-                raise BenchError(f"no `{name}` statement in src/store/postgres.rs")
+                raise BenchError(f"no `{name}` statement in {STATEMENTS}")
             sql = m.group(1).replace("{table}", "processed_events")
             for i, var in reversed(list(enumerate(params, 1))):
                 sql = sql.replace(f"${i}", f":{var}")
@@ -815,7 +817,7 @@ class Bench:
         shutil.rmtree(logdir, ignore_errors=True)
         logdir.mkdir()
         variables = {"nonce": nonce, "n": 0, "keys": self.a.keys, "source": ROUTE, "sha": "\\x" + sha,
-                     "lease_ms": LEASE_MS, "attempt": 1, "status": "done", "response_status": 200}
+                     "lease_ms": LEASE_MS, "reject_mismatch": "false", "attempt": 1, "status": "done", "response_status": 200}
         argv = ["pgbench", "-n", "-M", "prepared", "-f", str(script), "-c", str(clients),
                 "-j", str(min(self.a.threads, clients)), "-T", str(max(1, round(duration))),
                 "--log", f"--log-prefix={logdir}/tx", *self.pg.conn_args()]
