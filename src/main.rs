@@ -75,11 +75,8 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
     if connect {
         // A check leaves no empty SQLite file behind (at a mistyped path,
         // say); start-up creates it.
-        let reached = match Store::open_existing(&config.store) {
-            Ok(store) => store.ping().await,
-            Err(error) => Err(error),
-        };
-        match reached {
+        let reached = async { Store::open_existing(&config.store)?.ping().await };
+        match reached.await {
             Ok(()) => eprintln!("store: reachable"),
             // Before the first start or `migrate`, that is expected.
             Err(StoreError::MissingTable) => eprintln!(

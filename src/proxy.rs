@@ -66,9 +66,9 @@ enum Decision {
 }
 
 impl Decision {
-    /// The answer to a delivery whose key another delivery holds: done, or
-    /// in flight (also while this replica's own outcome for the key is
-    /// unwritten), or its body rejected as a mismatch.
+    /// The answer to a delivery whose claim did not win: done, or in flight
+    /// (also while this replica's own outcome for the key is unwritten), or
+    /// its body rejected as a mismatch.
     fn lost(route: &Route, claim: &Claim) -> Self {
         Decision::Answer(match claim {
             _ if route.rejects(claim) => Answer::Rejected(Rejection::PayloadMismatch),
@@ -317,19 +317,16 @@ impl Proxy {
             reject_mismatch: route.rejects_mismatched_bodies(),
         };
         let claimed_at = Instant::now();
-        let claim = match self.claim(route, &request, trace).await {
+        let claim = self.claim(route, &request).await;
+        trace.store_time = claimed_at.elapsed();
+        let claim = match claim {
             ControlFlow::Continue(claim) => claim,
             ControlFlow::Break(decision) => return decision,
         };
         self.count_claim(route, &request.key, &claim);
+        // A won claim never carries a body the route rejects: the store
+        // takes no key over for one (`ClaimRequest::reject_mismatch`).
         match claim {
-            // The store takes no key over for a body the route rejects
-            // (`ClaimRequest::reject_mismatch`); should it have, the claim is
-            // released rather than forwarded.
-            Claim::Won { attempt, .. } if route.rejects(&claim) => {
-                self.settle(&request, attempt, Settlement::RELEASED).await;
-                Decision::Answer(Answer::Rejected(Rejection::PayloadMismatch))
-            }
             Claim::Won {
                 attempt,
                 payload_mismatch,
@@ -367,18 +364,11 @@ impl Proxy {
 
     /// Asks the store for the key; a store that fails is handled per
     /// `store.on_unavailable`.
-    async fn claim(
-        &self,
-        route: &Route,
-        request: &ClaimRequest,
-        trace: &mut Trace,
-    ) -> ControlFlow<Decision, Claim> {
-        let started = Instant::now();
+    async fn claim(&self, route: &Route, request: &ClaimRequest) -> ControlFlow<Decision, Claim> {
         let claim = self
             .metrics
             .time_store("claim", self.store.claim(request))
             .await;
-        trace.store_time = started.elapsed();
         let error = match claim {
             Ok(claim) => return ControlFlow::Continue(claim),
             Err(error) => error,
@@ -543,32 +533,37 @@ impl Proxy {
     }
 }
 
-/// What makes a request one that two servers could read two ways, which
-/// RFC 9112 has a server refuse with 400: framing that could be read two
-/// ways (the request-smuggling pattern: both `Content-Length` and
-/// `Transfer-Encoding`, or a transfer coding other than one `chunked`), or
-/// other than exactly one `Host` in HTTP/1.1.
+/// Why RFC 9112 has a server refuse the request with 400, if it does: its
+/// framing could be read two ways, or its `Host` is missing or repeated.
 fn malformation(request: &Request<Incoming>) -> Option<&'static str> {
-    let headers = request.headers();
+    if is_ambiguously_framed(request.headers()) {
+        return Some(
+            "ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length",
+        );
+    }
+    let mut hosts = request.headers().get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (Some(_), Some(_)) => Some("more than one Host field"),
+        // HTTP/1.0 may leave it out; HTTP/2 carries `:authority` instead.
+        (None, _) if request.version() == Version::HTTP_11 => {
+            Some("an HTTP/1.1 request needs a Host field")
+        }
+        _ => None,
+    }
+}
+
+/// Whether the request's framing could be read two ways by two servers (the
+/// request-smuggling pattern): both `Content-Length` and `Transfer-Encoding`,
+/// or a transfer coding other than one `chunked`.
+fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
     let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter();
-    let ambiguously_framed = match (codings.next(), codings.next()) {
+    match (codings.next(), codings.next()) {
         (None, _) => false,
         (Some(coding), None) => {
             headers.contains_key(header::CONTENT_LENGTH)
                 || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
         }
         (Some(_), Some(_)) => true,
-    };
-    let mut hosts = headers.get_all(header::HOST).iter();
-    match (hosts.next(), hosts.next()) {
-        _ if ambiguously_framed => Some(
-            "ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length",
-        ),
-        (Some(_), Some(_)) => Some("more than one Host field"),
-        (None, _) if request.version() == Version::HTTP_11 => {
-            Some("an HTTP/1.1 request needs a Host field")
-        }
-        _ => None,
     }
 }
 
