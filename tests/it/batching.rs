@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use dedupe_proxy::config::StoreConfig;
 use dedupe_proxy::store::{
-    Claim, ClaimRequest, KeyStatus, SettledStatus, Settlement, Store, StoreError,
+    Claim, ClaimRequest, KeyStatus, SettledStatus, Settlement, Store, StoreError, WonFrom,
 };
 
 use crate::on_both_stores;
@@ -18,6 +18,7 @@ on_both_stores!(
     concurrent_settles_are_each_fenced_by_their_own_attempt,
     replicas_racing_for_failed_keys_take_each_back_exactly_once,
     in_one_batch_only_the_first_body_takes_failed_keys_back_where_others_are_rejected,
+    one_batch_decides_each_key_by_its_own_row,
 );
 
 fn request(key: &str) -> ClaimRequest {
@@ -75,6 +76,109 @@ async fn keys_repeated_within_a_batch_are_each_won_exactly_once(backend: Backend
     }
     assert_eq!(wins.len(), 30, "every key won once: {wins:?}");
     assert!(wins.values().all(|&n| n == 1), "{wins:?}");
+}
+
+/// New, done, failed, expired and live keys claimed together: each is
+/// decided by its own row, and the done and live rows are left as they were.
+async fn one_batch_decides_each_key_by_its_own_row(backend: Backend) {
+    let test_store = TestStore::new(backend).await;
+    let store = open(&test_store.url).await;
+    let named = |kind: &'static str| (0..8).map(move |i| format!("{kind}{i}"));
+    let done = Settlement {
+        status: SettledStatus::Done,
+        response_status: Some(200),
+    };
+    for key in named("done").chain(named("failed")).chain(named("live")) {
+        let claim = store.claim(&request(&key)).await.unwrap();
+        assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{key}");
+        let outcome = match &key[..4] {
+            "done" => done,
+            "fail" => Settlement::RELEASED,
+            _ => continue,
+        };
+        assert!(
+            store.settle("src", &key, 1, outcome).await.unwrap(),
+            "{key}"
+        );
+    }
+    for key in named("expired") {
+        let lapsing = ClaimRequest {
+            lease: Duration::ZERO,
+            ..request(&key)
+        };
+        let claim = store.claim(&lapsing).await.unwrap();
+        assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{key}");
+    }
+    let mut rows_before = HashMap::new();
+    for key in named("done").chain(named("live")) {
+        let row = store.show("src", &key).await.unwrap().unwrap();
+        rows_before.insert(key, row);
+    }
+    let keys: Vec<String> = ["new", "done", "failed", "expired", "live"]
+        .into_iter()
+        .flat_map(named)
+        .collect();
+    for (key, claim) in claim_all(&store, &keys).await {
+        let claim = claim.unwrap();
+        let decided = match &key[..3] {
+            "new" => matches!(
+                claim,
+                Claim::Won {
+                    attempt: 1,
+                    from: WonFrom::New,
+                    ..
+                }
+            ),
+            "don" => matches!(
+                claim,
+                Claim::Done {
+                    payload_mismatch: false,
+                    ..
+                }
+            ),
+            "fai" => matches!(
+                claim,
+                Claim::Won {
+                    attempt: 2,
+                    from: WonFrom::Failed,
+                    ..
+                }
+            ),
+            "exp" => matches!(
+                claim,
+                Claim::Won {
+                    attempt: 2,
+                    from: WonFrom::ExpiredLease,
+                    ..
+                }
+            ),
+            _ => matches!(
+                claim,
+                Claim::InFlight {
+                    payload_mismatch: false
+                }
+            ),
+        };
+        assert!(decided, "{key}: {claim:?}");
+    }
+    for (key, row) in rows_before {
+        let after = store.show("src", &key).await.unwrap().unwrap();
+        assert_eq!(
+            (
+                after.status,
+                after.attempts,
+                after.claimed_at,
+                after.lease_expires_at
+            ),
+            (
+                row.status,
+                row.attempts,
+                row.claimed_at,
+                row.lease_expires_at
+            ),
+            "{key} was written"
+        );
+    }
 }
 
 async fn concurrent_settles_are_each_fenced_by_their_own_attempt(backend: Backend) {

@@ -48,42 +48,61 @@ impl Statements {
             // key is decided by the primary key: the INSERT takes it or
             // conflicts. A key that exists is taken back only if it failed or
             // its lease expired (and, where the route rejects another body,
-            // only by a delivery with the first one's), by an UPDATE that re-checks that condition
-            // on the row's latest version after locking it, so two
-            // statements cannot both take it. A `done` or live key is
-            // neither written nor locked: a duplicate's statement is
-            // read-only and its commit waits for no WAL flush.
+            // only by a delivery with the first one's), by an UPDATE that
+            // re-checks that condition on the row's latest version after
+            // locking it, so two statements cannot both take it. A `done` or
+            // live key is neither written nor locked: a duplicate's statement
+            // is read-only and its commit waits for no WAL flush.
             //
-            // `prior` reads the statement's snapshot, i.e. the rows as they
-            // were before it: it only classifies results. A row committed by
-            // a concurrent claim after the snapshot is invisible to `prior`
-            // and to the UPDATE; losing to it means in flight (its status
-            // and payload hash are read afterwards, by `recheck`). New rows are
-            // inserted, and rows to take back locked (`retakable`, sorted
-            // before it locks), in key order, byte by byte as settle batches
-            // are sorted, so concurrent batches wait on shared keys in the
-            // same order instead of deadlocking: each deadlock costs the
-            // server's `deadlock_timeout` (1 s) before it refuses one
-            // statement. Should one still happen, the refused statement's
-            // keys are then claimed one by one.
+            // `prior` reads each key's row once, in the statement's snapshot
+            // (the rows as they were before it), and everything else works
+            // from it: only keys it did not find are inserted, and only keys
+            // it found failed or expired are looked up again to be locked. A
+            // duplicate costs one index lookup, where inserting it too (to
+            // conflict) and looking for it among the keys to take back cost
+            // three; every other CTE joins on `ord`, a number, so nothing is
+            // compared key by key with every other key of the batch. Reading
+            // `prior` once changes no decision: a row the snapshot holds is
+            // there for the INSERT to conflict with (or was deleted after the
+            // snapshot, and the statement is decided as if it ran before the
+            // delete), and locking filters on the snapshot's version of a row
+            // before it re-checks the latest. A row committed by a concurrent
+            // claim after the snapshot is invisible to `prior` and to the
+            // take-back; the INSERT conflicts with it, and losing to it means
+            // in flight (its status and payload hash are read afterwards, by
+            // `recheck`).
+            //
+            // New rows are inserted, and rows to take back locked
+            // (`retakable`, sorted before it locks), in key order, byte by
+            // byte as settle batches are sorted, so concurrent batches wait
+            // on shared keys in the same order instead of deadlocking: each
+            // deadlock costs the server's `deadlock_timeout` (1 s) before it
+            // refuses one statement. Should one still happen, the refused
+            // statement's keys are then claimed one by one.
             claim: format!(
                 "WITH input AS (
                    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::bool[])
                      WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
-                 ), prior AS (
-                   SELECT e.source, e.event_id, e.status, e.payload_sha256, e.received_at
-                     FROM {table} e JOIN input i USING (source, event_id)
+                 ), prior AS MATERIALIZED (
+                   SELECT i.ord, e.status, e.payload_sha256, e.received_at, e.lease_expires_at
+                     FROM input i JOIN {table} e USING (source, event_id)
                  ), inserted AS (
                    INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
                    SELECT source, event_id, 'processing', 1, payload_sha256,
                           now() + lease_ms * interval '1 millisecond'
-                     FROM input ORDER BY source COLLATE \"C\", event_id COLLATE \"C\"
+                     FROM input i
+                    WHERE NOT EXISTS (SELECT 1 FROM prior p WHERE p.ord = i.ord)
+                    ORDER BY source COLLATE \"C\", event_id COLLATE \"C\"
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
                  ), retakable AS (
                    SELECT e.source, e.event_id, i.lease_ms, i.payload_sha256, i.reject_mismatch
-                     FROM {table} e JOIN input i USING (source, event_id)
-                    WHERE (e.status = 'failed'
+                     FROM prior p
+                     JOIN input i USING (ord)
+                     JOIN {table} e ON e.source = i.source AND e.event_id = i.event_id
+                    WHERE (p.status = 'failed'
+                           OR (p.status = 'processing' AND p.lease_expires_at <= now()))
+                      AND (e.status = 'failed'
                            OR (e.status = 'processing' AND e.lease_expires_at <= now()))
                       AND (NOT i.reject_mismatch OR e.payload_sha256 IS NULL
                            OR e.payload_sha256 = i.payload_sha256)
@@ -100,8 +119,6 @@ impl Statements {
                            OR (e.status = 'processing' AND e.lease_expires_at <= now()))
                       AND (NOT r.reject_mismatch OR e.payload_sha256 IS NULL
                            OR e.payload_sha256 = r.payload_sha256)
-                      AND NOT EXISTS (SELECT 1 FROM inserted n
-                                       WHERE n.source = r.source AND n.event_id = r.event_id)
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
                  ), claimed AS (
                    SELECT * FROM inserted UNION ALL SELECT * FROM retaken
@@ -111,7 +128,7 @@ impl Statements {
                         coalesce(extract(epoch FROM now() - p.received_at)::float8, 0)
                    FROM input i
                    LEFT JOIN claimed c USING (source, event_id)
-                   LEFT JOIN prior p USING (source, event_id)"
+                   LEFT JOIN prior p USING (ord)"
             ),
             // Fenced per row: only the attempt that owns a key settles it.
             settle: format!(
@@ -124,13 +141,18 @@ impl Statements {
                     AND e.status = 'processing' AND e.attempts = u.attempt
                  RETURNING u.ord"
             ),
+            // The batch statement's decisions for one key, shaped the same
+            // way: `prior` reads the row once, the INSERT runs only if it
+            // found none, the take-back only if it found one failed or
+            // expired.
             claim_one: format!(
-                "WITH prior AS (
-                   SELECT status, payload_sha256, received_at FROM {table}
+                "WITH prior AS MATERIALIZED (
+                   SELECT status, payload_sha256, received_at, lease_expires_at FROM {table}
                     WHERE source = $1 AND event_id = $2
                  ), inserted AS (
                    INSERT INTO {table} (source, event_id, status, attempts, payload_sha256, lease_expires_at)
-                   VALUES ($1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond')
+                   SELECT $1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond'
+                    WHERE NOT EXISTS (SELECT 1 FROM prior)
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING attempts, payload_sha256
                  ), retaken AS (
@@ -138,11 +160,13 @@ impl Statements {
                       SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),
                           lease_expires_at = now() + $4 * interval '1 millisecond',
                           response_status = NULL, completed_at = NULL
-                    WHERE e.source = $1 AND e.event_id = $2
+                     FROM prior p
+                    WHERE (p.status = 'failed'
+                           OR (p.status = 'processing' AND p.lease_expires_at <= now()))
+                      AND e.source = $1 AND e.event_id = $2
                       AND (e.status = 'failed'
                            OR (e.status = 'processing' AND e.lease_expires_at <= now()))
                       AND (NOT $5 OR e.payload_sha256 IS NULL OR e.payload_sha256 = $3)
-                      AND NOT EXISTS (SELECT 1 FROM inserted)
                    RETURNING e.attempts, e.payload_sha256
                  ), claimed AS (
                    SELECT * FROM inserted UNION ALL SELECT * FROM retaken
