@@ -115,6 +115,9 @@ impl Application {
             header_read_timeout: config.limits.header_read_timeout,
         };
         let serving = ServingThreads::start(lanes, &webhooks).map_err(StartError::ServingThread)?;
+        // The first serving thread talks to the database for all of them: a
+        // request it serves wakes no other thread on its way to the store.
+        proxy.store().set_home(serving.first_runtime());
         Ok(Self {
             proxy,
             admin,

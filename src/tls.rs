@@ -5,7 +5,7 @@
 
 mod postgres;
 
-pub use postgres::postgres_config;
+pub use postgres::{PostgresTls, postgres_config};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};

@@ -8,9 +8,9 @@
 //! One accept loop hands each new connection to the thread serving the
 //! fewest, so connections opened in a burst are spread evenly; with an accept
 //! loop per thread on a shared socket, the first thread to wake took them
-//! all. The store's batch dispatchers are started lazily, so they run on the
-//! thread whose request makes the first claim and serve every thread from
-//! there.
+//! all. The first thread is also the store's home: its runtime opens and
+//! drives the database connections and runs the claim and settle batches for
+//! every thread.
 //!
 //! Each connection is served by hyper's HTTP/1 server, or its HTTP/2 server
 //! when the sender asks for HTTP/2 (ALPN over TLS, the connection preface
@@ -61,6 +61,8 @@ type Handover = (std::net::TcpStream, SocketAddr);
 pub(super) struct ServingThreads {
     lanes: Vec<Lane>,
     threads: Vec<ServingThread>,
+    /// The first thread's runtime, home to the store's connections.
+    first_runtime: tokio::runtime::Handle,
 }
 
 /// Where connections reach one serving thread, and how many it serves.
@@ -73,6 +75,7 @@ struct ServingThread {
     drained: oneshot::Receiver<()>,
     release: oneshot::Sender<()>,
     join: JoinHandle<()>,
+    runtime: tokio::runtime::Handle,
 }
 
 /// Serving threads that have finished their grace period and keep running
@@ -93,11 +96,21 @@ impl ServingThreads {
             lanes.push(connections);
             threads.push(thread);
         }
-        Ok(Self { lanes, threads })
+        let first_runtime = threads[0].runtime.clone();
+        Ok(Self {
+            lanes,
+            threads,
+            first_runtime,
+        })
     }
 
     pub fn len(&self) -> usize {
         self.threads.len()
+    }
+
+    /// The runtime of the first serving thread.
+    pub fn first_runtime(&self) -> tokio::runtime::Handle {
+        self.first_runtime.clone()
     }
 
     /// Accepts connections until `stop` is cancelled.
@@ -178,6 +191,7 @@ impl ServingThread {
         let (release, released) = oneshot::channel::<()>();
         let open = Arc::new(AtomicUsize::new(0));
         let open_here = Arc::clone(&open);
+        let handle = runtime.handle().clone();
         let join = std::thread::Builder::new()
             .name(format!("dedupe-serve-{lane}"))
             .spawn(move || {
@@ -195,6 +209,7 @@ impl ServingThread {
             drained,
             release,
             join,
+            runtime: handle,
         };
         Ok((Lane { connections, open }, thread))
     }

@@ -7,6 +7,7 @@
 //! `postgres/batch.rs`, the operator's statements in `postgres/keys.rs`.
 
 mod batch;
+mod home;
 mod keys;
 mod sql;
 
@@ -25,6 +26,7 @@ use super::{
 use crate::config::StoreConfig;
 use crate::error_chain;
 use batch::{Batches, Growth, SettleRequest};
+use home::{Home, HomeConnect};
 use sql::Statements;
 
 /// Claims recorded in PostgreSQL.
@@ -34,6 +36,7 @@ pub struct PostgresStore {
     keys: keys::Statements,
     table: String,
     batches: OnceLock<Batches>,
+    home: Home,
 }
 
 /// The pool and how statements are sent through it, shared with the batches.
@@ -57,9 +60,14 @@ impl PostgresStore {
         if pg_config.get_application_name().is_none() {
             pg_config.application_name("dedupe-proxy");
         }
-        let manager = Manager::from_config(
-            pg_config,
+        let home = Home::default();
+        let connect = HomeConnect {
             tls,
+            home: home.clone(),
+        };
+        let manager = Manager::from_connect(
+            pg_config,
+            connect,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -83,12 +91,23 @@ impl PostgresStore {
             keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
             batches: OnceLock::new(),
+            home,
         })
     }
 
+    /// Opens and drives connections, and runs the claim and settle batches,
+    /// on `runtime` from now on (see `postgres/home.rs`). Connections
+    /// opened before stay where they are, so this comes before the first
+    /// statement.
+    pub fn set_home(&self, runtime: tokio::runtime::Handle) {
+        self.home.set(runtime);
+    }
+
     fn batches(&self) -> &Batches {
-        self.batches
-            .get_or_init(|| Batches::start(&self.session, &self.sql))
+        self.batches.get_or_init(|| {
+            let _home = self.home.runtime().map(tokio::runtime::Handle::enter);
+            Batches::start(&self.session, &self.sql)
+        })
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {

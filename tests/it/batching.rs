@@ -372,6 +372,75 @@ async fn a_key_the_database_refuses_fails_alone() {
     }
 }
 
+/// A runtime on a thread of its own, as a serving thread's is, until
+/// stopped.
+struct HomeThread {
+    runtime: tokio::runtime::Handle,
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl HomeThread {
+    fn start() -> Self {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            runtime.block_on(async move {
+                let _ = stopped.await;
+            });
+        });
+        Self {
+            runtime: handle,
+            stop,
+            thread,
+        }
+    }
+
+    /// Ends the runtime, dropping every task it still runs.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::task::spawn_blocking(move || self.thread.join().unwrap())
+            .await
+            .unwrap();
+    }
+}
+
+/// Given a home runtime, the store opens and drives its connections there,
+/// whoever asks first (here the migration, from the test's runtime), and runs
+/// its batches there: stopping that runtime closes them all. Outside it the
+/// store still works on a connection of the caller's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_talks_to_postgres_from_its_home_runtime() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let relay = Relay::start(test_store.postgres_addr(), true).await;
+    let config = StoreConfig {
+        url: test_store.url_via(relay.addr),
+        ..StoreConfig::default()
+    };
+    let store = Store::open(&config).unwrap();
+    let home = HomeThread::start();
+    store.set_home(home.runtime.clone());
+    store.migrate().await.unwrap();
+    let claim = store.claim(&request("k1")).await.unwrap();
+    assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{claim:?}");
+    assert!(relay.open_connections() > 0);
+    home.stop().await;
+    relay.wait_until_all_closed().await;
+    let after = store.claim(&request("k2")).await;
+    assert!(
+        matches!(&after, Err(StoreError::Postgres(message)) if message.contains("dispatcher has stopped")),
+        "the batches stopped with their runtime: {after:?}"
+    );
+    store.ping().await.unwrap();
+    assert_eq!(relay.open_connections(), 1);
+    let row = store.show("src", "k1").await.unwrap().unwrap();
+    assert_eq!(row.status, KeyStatus::Processing);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_mid_batch_never_yields_two_owners() {
     let test_store = TestStore::new(Backend::Postgres).await;

@@ -507,18 +507,28 @@ impl Relay {
         *self.refused.borrow()
     }
 
-    /// Closes every relayed connection and refuses new ones; returns once
-    /// every connection is closed.
-    pub async fn cut(&self) {
-        self.up.send_replace(false);
+    /// Connections relayed and still open.
+    pub fn open_connections(&self) -> u64 {
+        self.open_connections.load(Ordering::SeqCst)
+    }
+
+    /// Waits until every relayed connection has closed.
+    pub async fn wait_until_all_closed(&self) {
         let closed = async {
-            while self.open_connections.load(Ordering::SeqCst) > 0 {
+            while self.open_connections() > 0 {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         };
         tokio::time::timeout(Duration::from_secs(5), closed)
             .await
             .expect("relay connections closed");
+    }
+
+    /// Closes every relayed connection and refuses new ones; returns once
+    /// every connection is closed.
+    pub async fn cut(&self) {
+        self.up.send_replace(false);
+        self.wait_until_all_closed().await;
     }
 
     pub fn restore(&self) {
