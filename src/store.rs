@@ -264,8 +264,9 @@ impl Store {
     /// Makes `runtime` the one that talks to the database from now on: for
     /// PostgreSQL, the runtime that opens and drives its connections and
     /// runs its claim and settle batches, so the requests served on its
-    /// thread reach the server without waking another thread. SQLite runs its statements on a thread of its own whoever sends
-    /// them. Called before the store's first statement.
+    /// thread reach the server without waking another thread. SQLite runs
+    /// its statements on a thread of its own, whoever sends them. Called
+    /// before the store's first statement.
     pub fn set_home(&self, runtime: tokio::runtime::Handle) {
         match &*self.backend {
             AnyBackend::Postgres(backend) => backend.set_home(runtime),

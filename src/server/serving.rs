@@ -61,8 +61,6 @@ type Handover = (std::net::TcpStream, SocketAddr);
 pub(super) struct ServingThreads {
     lanes: Vec<Lane>,
     threads: Vec<ServingThread>,
-    /// The first thread's runtime, home to the store's connections.
-    first_runtime: tokio::runtime::Handle,
 }
 
 /// Where connections reach one serving thread, and how many it serves.
@@ -96,21 +94,16 @@ impl ServingThreads {
             lanes.push(connections);
             threads.push(thread);
         }
-        let first_runtime = threads[0].runtime.clone();
-        Ok(Self {
-            lanes,
-            threads,
-            first_runtime,
-        })
+        Ok(Self { lanes, threads })
     }
 
     pub fn len(&self) -> usize {
         self.threads.len()
     }
 
-    /// The runtime of the first serving thread.
+    /// The runtime of the first serving thread (there is always one).
     pub fn first_runtime(&self) -> tokio::runtime::Handle {
-        self.first_runtime.clone()
+        self.threads[0].runtime.clone()
     }
 
     /// Accepts connections until `stop` is cancelled.
