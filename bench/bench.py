@@ -308,15 +308,18 @@ class Postgres:
         self.unix = self.host.startswith("/")
         self.env = os.environ | {"PGSSLMODE": "disable", "PGAPPNAME": "dedupe-bench"}
 
+    def server_args(self):
+        return ["-h", self.host, "-p", str(self.port), "-U", self.user]
+
     def conn_args(self, db=None):
         """Where psql connects."""
-        return ["-h", self.host, "-p", str(self.port), "-U", self.user, "-d", db or self.db]
+        return [*self.server_args(), "-d", db or self.db]
 
     def pgbench_conn_args(self):
         """Where pgbench connects. Not conn_args: pgbench's `-d` is --debug,
         which logs every command it runs to stderr (38 MB in 5 s at 16
         clients) and halved its rate; the database is its last argument."""
-        return ["-h", self.host, "-p", str(self.port), "-U", self.user, self.db]
+        return [*self.server_args(), self.db]
 
     def url(self):
         """The proxy's store URL: the same transport as psql and pgbench."""
