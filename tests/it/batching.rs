@@ -522,6 +522,35 @@ async fn a_claim_that_loses_to_an_uncommitted_insert_still_compares_bodies() {
     );
 }
 
+/// A batch waiting on a row another replica is inserting holds back the
+/// claims queued behind it only briefly: they go out beside it and are
+/// decided while it still waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_behind_a_batch_waiting_on_a_row_lock_still_go_out() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    let mut other_replica = test_store.postgres().await;
+    let insert = insert_uncommitted(&mut other_replica, "held", [1; 32]).await;
+    let held = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("held")).await }
+    });
+    let observer = test_store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+    // Held back until the other batch's lock is released, the claim would
+    // end in `store.timeout` instead.
+    let free = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("free")))
+        .await
+        .expect("a key nobody holds is claimed while the other batch waits");
+    assert!(matches!(free.unwrap(), Claim::Won { attempt: 1, .. }));
+    assert!(!held.is_finished());
+    insert.commit().await.unwrap();
+    assert!(matches!(
+        held.await.unwrap().unwrap(),
+        Claim::InFlight { .. }
+    ));
+}
+
 /// A claim answered `store.timeout` is still decided once its statement
 /// runs; when it wins, nobody forwards it, so it is released at once instead
 /// of holding the key `processing` (and the sender's retries `in-flight`)

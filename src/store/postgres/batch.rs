@@ -12,7 +12,7 @@ use tokio_postgres::types::Type;
 
 use super::sql::Statements;
 use super::{Params, Session, postgres_error};
-use crate::store::coalesce::Coalescer;
+use crate::store::coalesce::{Coalescer, Limits};
 use crate::store::{Claim, ClaimRequest, Settlement, StoreError, WonFrom};
 
 /// The coalescing queues, started on first use (they need a runtime).
@@ -33,29 +33,37 @@ pub(super) struct SettleRequest {
 const MAX_BATCH: usize = 256;
 
 /// Claim statements (and, separately, settle statements) one replica runs at
-/// once. Few and large beats many and small: while two batches are at the
-/// database, everything arriving queues for the next one, so under load the
-/// database runs one statement and one commit for dozens of keys instead of
-/// one each, and spends its CPU on rows rather than on round trips. Under
-/// light load a request still finds a free slot and goes out alone. Two, not
-/// one, so that a batch waiting on a row another replica is inserting does
-/// not stall every claim behind it.
+/// once at most. Normally one: while it is at the database, everything
+/// arriving queues for the next, so under load the database runs one
+/// statement and one commit for dozens of keys instead of one each, and
+/// spends its CPU on rows rather than on round trips. Under light load a
+/// request still finds the slot free and goes out alone. The second slot
+/// opens only for [`STALLED_AFTER`].
 const BATCHES_IN_FLIGHT: usize = 2;
+
+/// How long a batch may be at the database before the next goes out beside
+/// it: long enough that a busy database's commits never reach it (a batch of
+/// 256 keys commits in a few milliseconds), short enough that a batch
+/// waiting on a row another replica is inserting, or on a lock a client
+/// holds, delays the claims queued behind it by no more than this.
+const STALLED_AFTER: Duration = Duration::from_millis(20);
 
 impl Batches {
     /// Starts the claim and settle queues on the current runtime.
     pub(super) fn start(session: &Arc<Session>, sql: &Arc<Statements>) -> Self {
-        let in_flight = BATCHES_IN_FLIGHT.min(session.pool.status().max_size);
+        let limits = Limits {
+            in_flight: BATCHES_IN_FLIGHT.min(session.pool.status().max_size),
+            max_batch: MAX_BATCH,
+            stalled_after: STALLED_AFTER,
+        };
         let runner = BatchRunner {
             session: Arc::clone(session),
             sql: Arc::clone(sql),
         };
         let settle_runner = runner.clone();
         Self {
-            claims: Coalescer::start(in_flight, MAX_BATCH, move |batch| {
-                runner.clone().claim_batch(batch)
-            }),
-            settles: Coalescer::start(in_flight, MAX_BATCH, move |batch| {
+            claims: Coalescer::start(limits, move |batch| runner.clone().claim_batch(batch)),
+            settles: Coalescer::start(limits, move |batch| {
                 settle_runner.clone().settle_batch(batch)
             }),
         }
