@@ -186,42 +186,41 @@ mod tests {
     struct Gated {
         started: mpsc::UnboundedReceiver<u32>,
         finish: HashMap<u32, oneshot::Sender<()>>,
-        queue: Coalescer<u32, u32>,
+        queue: Coalescer<(u32, oneshot::Receiver<()>), u32>,
     }
 
     impl Gated {
         fn start(in_flight: usize, stalled_after: Duration) -> Self {
             let (started_tx, started) = mpsc::unbounded_channel();
-            let gates: Arc<Mutex<HashMap<u32, oneshot::Receiver<()>>>> = Arc::default();
-            let mut finish = HashMap::new();
-            for n in 0..8 {
-                let (tx, rx) = oneshot::channel();
-                finish.insert(n, tx);
-                gates.lock().unwrap().insert(n, rx);
-            }
             let limits = Limits {
                 in_flight,
                 max_batch: 1,
                 stalled_after,
             };
-            let queue = Coalescer::start(limits, move |batch: Vec<u32>| {
-                let gate = gates.lock().unwrap().remove(&batch[0]).unwrap();
-                started_tx.send(batch[0]).unwrap();
-                async move {
-                    let _ = gate.await;
-                    batch.into_iter().map(Ok).collect()
-                }
-            });
+            let queue =
+                Coalescer::start(limits, move |batch: Vec<(u32, oneshot::Receiver<()>)>| {
+                    started_tx.send(batch[0].0).unwrap();
+                    async move {
+                        let mut results = Vec::new();
+                        for (n, gate) in batch {
+                            let _ = gate.await;
+                            results.push(Ok(n));
+                        }
+                        results
+                    }
+                });
             Self {
                 started,
-                finish,
+                finish: HashMap::new(),
                 queue,
             }
         }
 
-        fn call(&self, n: u32) -> tokio::task::JoinHandle<u32> {
+        fn call(&mut self, n: u32) -> tokio::task::JoinHandle<u32> {
+            let (finish, gate) = oneshot::channel();
+            self.finish.insert(n, finish);
             let queue = self.queue.clone();
-            tokio::spawn(async move { queue.call(n).await.unwrap() })
+            tokio::spawn(async move { queue.call((n, gate)).await.unwrap() })
         }
 
         /// The next batch to start. Bounded, so that a batch that never
@@ -231,6 +230,14 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(86_400), self.started.recv())
                 .await
                 .expect("a batch started")
+        }
+
+        /// Checks that no batch starts for a minute. Paused, the clock jumps
+        /// to the next timer whenever every task waits, so a minute passes at
+        /// once, yet a stall timer set further out stays unfired.
+        async fn assert_none_starts(&mut self, why: &str) {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            assert!(self.started.try_recv().is_err(), "{why}");
         }
 
         fn finish(&mut self, n: u32) {
@@ -244,11 +251,7 @@ mod tests {
         let first = gated.call(0);
         assert_eq!(gated.next_started().await, Some(0));
         let second = gated.call(1);
-        // Paused, the clock jumps to the next timer whenever every task
-        // waits: well short of the stall, this finds the second batch not
-        // started.
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        assert!(gated.started.try_recv().is_err(), "the second batch waited");
+        gated.assert_none_starts("the second batch waits").await;
         gated.finish(0);
         assert_eq!(first.await.unwrap(), 0);
         assert_eq!(gated.next_started().await, Some(1));
@@ -271,8 +274,7 @@ mod tests {
         let third = gated.call(2);
         let fourth = gated.call(3);
         assert_eq!(gated.next_started().await, Some(2));
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        assert!(gated.started.try_recv().is_err(), "no third slot");
+        gated.assert_none_starts("no third slot").await;
         gated.finish(2);
         assert_eq!(third.await.unwrap(), 2);
         assert_eq!(gated.next_started().await, Some(3));
@@ -288,8 +290,7 @@ mod tests {
         let stalled = gated.call(0);
         assert_eq!(gated.next_started().await, Some(0));
         let next = gated.call(1);
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        assert!(gated.started.try_recv().is_err(), "nothing beside it");
+        gated.assert_none_starts("nothing beside it").await;
         gated.finish(0);
         assert_eq!(stalled.await.unwrap(), 0);
         assert_eq!(gated.next_started().await, Some(1));
