@@ -506,13 +506,8 @@ async fn a_claim_that_loses_to_an_uncommitted_insert_still_compares_bodies() {
     let test_store = TestStore::new(Backend::Postgres).await;
     let store = open(&test_store.url).await;
     let mut first = test_store.postgres().await;
-    let insert = insert_uncommitted(&mut first, "r1", [1; 32]).await;
-    let duplicate = tokio::spawn({
-        let store = store.clone();
-        async move { store.claim(&request("r1")).await }
-    });
-    let observer = test_store.postgres().await;
-    until_waiting_on_locks(&observer, 1).await;
+    let (insert, duplicate) =
+        claim_behind_uncommitted_insert(&test_store, &store, &mut first, "r1").await;
     insert.commit().await.unwrap();
     assert_eq!(
         duplicate.await.unwrap().unwrap(),
@@ -530,13 +525,8 @@ async fn claims_behind_a_batch_waiting_on_a_row_lock_still_go_out() {
     let test_store = TestStore::new(Backend::Postgres).await;
     let store = open(&test_store.url).await;
     let mut other_replica = test_store.postgres().await;
-    let insert = insert_uncommitted(&mut other_replica, "held", [1; 32]).await;
-    let held = tokio::spawn({
-        let store = store.clone();
-        async move { store.claim(&request("held")).await }
-    });
-    let observer = test_store.postgres().await;
-    until_waiting_on_locks(&observer, 1).await;
+    let (insert, held) =
+        claim_behind_uncommitted_insert(&test_store, &store, &mut other_replica, "held").await;
     // Held back until the other batch's lock is released, the claim would
     // end in `store.timeout` instead.
     let free = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("free")))
@@ -615,6 +605,27 @@ async fn insert_uncommitted<'a>(
         .await
         .unwrap();
     insert
+}
+
+/// Starts a claim of `key` behind `client`'s uncommitted insert of it, and
+/// returns the insert's transaction and the claim once the claim waits on it.
+async fn claim_behind_uncommitted_insert<'a>(
+    test_store: &TestStore,
+    store: &Store,
+    client: &'a mut tokio_postgres::Client,
+    key: &'static str,
+) -> (
+    tokio_postgres::Transaction<'a>,
+    tokio::task::JoinHandle<Result<Claim, StoreError>>,
+) {
+    let insert = insert_uncommitted(client, key, [1; 32]).await;
+    let claim = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request(key)).await }
+    });
+    let observer = test_store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+    (insert, claim)
 }
 
 /// Counts this database's sessions waiting on a lock until there are
