@@ -272,11 +272,17 @@ impl Proxy {
                     answer => answer,
                 }
             }
-            Decision::Pass(reason) => self.pass(route, request, reason).await,
+            Decision::Pass(reason) => {
+                let dedupe = shadow
+                    .then(|| unclaimed_dedupe_headers(route, trace))
+                    .flatten();
+                self.pass(route, request, reason, dedupe).await
+            }
             // Shadow mode records what enforcing would answer, and forwards.
             Decision::Answer(answer) if shadow => {
                 let reason = PassReason::Shadow(answer.metric_outcome());
-                self.pass(route, request, reason).await
+                let dedupe = unclaimed_dedupe_headers(route, trace);
+                self.pass(route, request, reason, dedupe).await
             }
             Decision::Answer(answer) => answer,
         }
@@ -450,8 +456,8 @@ impl Proxy {
         });
         let dedupe = DedupeHeaders {
             key: key::header_value(claim.key.as_bytes()),
-            source: HeaderValue::from_str(&route.name).expect("route names are header-safe"),
-            attempt,
+            source: route_source(route),
+            attempt: Some(attempt),
         };
         let sent_at = Instant::now();
         let result = self
@@ -492,16 +498,25 @@ impl Proxy {
         (answer, Some(upstream_time), settle_time)
     }
 
-    async fn pass(&self, route: &Route, request: Checked, reason: PassReason) -> Answer {
+    async fn pass(
+        &self,
+        route: &Route,
+        request: Checked,
+        reason: PassReason,
+        dedupe: Option<DedupeHeaders>,
+    ) -> Answer {
         let sent_at = Instant::now();
         let result = self
             .upstream
-            .send(request.parts, full(request.body), request.peer, None)
+            .send(request.parts, full(request.body), request.peer, dedupe)
             .await;
         self.count_upstream(route, &result, sent_at.elapsed());
-        match result {
-            Ok(response) => Answer::Passthrough(response, reason),
-            Err(error) => Answer::UpstreamError(error),
+        match (result, reason) {
+            (Ok(response), reason) => Answer::Passthrough(response, reason),
+            (Err(error), PassReason::Shadow(enforced)) => {
+                Answer::ShadowedUpstreamError { error, enforced }
+            }
+            (Err(error), _) => Answer::UpstreamError(error),
         }
     }
 
@@ -565,6 +580,23 @@ fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
         }
         (Some(_), Some(_)) => true,
     }
+}
+
+/// For a shadowed delivery that holds no claim: the application still
+/// learns the key, so it can see the duplicates enforcing would suppress,
+/// but no attempt is named.
+fn unclaimed_dedupe_headers(route: &Route, trace: &Trace) -> Option<DedupeHeaders> {
+    let key = trace.key.as_deref()?;
+    Some(DedupeHeaders {
+        key: key::header_value(key.as_bytes()),
+        source: route_source(route),
+        attempt: None,
+    })
+}
+
+/// `X-Dedupe-Source`: the route's name.
+fn route_source(route: &Route) -> HeaderValue {
+    HeaderValue::from_str(&route.name).expect("route names are header-safe")
 }
 
 fn full(body: Bytes) -> http_body_util::combinators::BoxBody<Bytes, hyper::Error> {

@@ -55,8 +55,9 @@ pub struct DedupeHeaders {
     pub key: HeaderValue,
     /// `X-Dedupe-Source`: the route name.
     pub source: HeaderValue,
-    /// `X-Dedupe-Attempt`.
-    pub attempt: i32,
+    /// `X-Dedupe-Attempt`: none for a shadowed delivery, which holds no
+    /// claim.
+    pub attempt: Option<i32>,
 }
 
 /// How the request reached the proxy, for `X-Forwarded-*`. Made once per
@@ -197,7 +198,9 @@ fn prepare_request_headers(
     if let Some(dedupe) = dedupe {
         headers.insert(X_DEDUPE_KEY, dedupe.key);
         headers.insert(X_DEDUPE_SOURCE, dedupe.source);
-        headers.insert(X_DEDUPE_ATTEMPT, dedupe.attempt.into());
+        if let Some(attempt) = dedupe.attempt {
+            headers.insert(X_DEDUPE_ATTEMPT, attempt.into());
+        }
     }
 }
 
@@ -456,13 +459,22 @@ mod tests {
         let dedupe = DedupeHeaders {
             key: HeaderValue::from_static("evt_1"),
             source: HeaderValue::from_static("orders"),
-            attempt: 2,
+            attempt: Some(2),
         };
         prepare_request_headers(&mut parts, &peer(), Some(dedupe), &default_host());
         assert_eq!(parts.headers["x-dedupe-key"], "evt_1");
         assert_eq!(parts.headers["x-dedupe-source"], "orders");
         assert_eq!(parts.headers["x-dedupe-attempt"], "2");
         assert!(!parts.headers.contains_key("x-dedupe-other"));
+        let mut unclaimed = self::parts(&[("x-dedupe-attempt", "9")]);
+        let shadowed = DedupeHeaders {
+            key: HeaderValue::from_static("evt_1"),
+            source: HeaderValue::from_static("orders"),
+            attempt: None,
+        };
+        prepare_request_headers(&mut unclaimed, &peer(), Some(shadowed), &default_host());
+        assert_eq!(unclaimed.headers["x-dedupe-key"], "evt_1");
+        assert!(!unclaimed.headers.contains_key("x-dedupe-attempt"));
         let mut unmatched = self::parts(&[("x-dedupe-key", "forged")]);
         prepare_request_headers(&mut unmatched, &peer(), None, &default_host());
         assert!(!unmatched.headers.contains_key("x-dedupe-key"));

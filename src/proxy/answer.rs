@@ -37,6 +37,13 @@ pub enum Answer {
     Unavailable(Unavailable, Duration),
     /// The upstream gave no response.
     UpstreamError(UpstreamError),
+    /// In shadow mode, the upstream gave no response to a delivery that
+    /// enforcing would have answered itself: the sender gets the upstream
+    /// error, the metrics what enforcing would have done.
+    ShadowedUpstreamError {
+        error: UpstreamError,
+        enforced: &'static str,
+    },
 }
 
 /// Why a request was forwarded without deduplication (metrics outcome).
@@ -106,6 +113,7 @@ impl Answer {
             Answer::Unavailable(Unavailable::Overloaded, _) => "overloaded",
             Answer::Unavailable(..) => "store_unavailable",
             Answer::UpstreamError(_) => "upstream_error",
+            Answer::ShadowedUpstreamError { enforced, .. } => enforced,
         }
     }
 
@@ -118,7 +126,7 @@ impl Answer {
             Answer::InFlight(..) => "in-flight",
             Answer::Rejected(_) => "rejected",
             Answer::Unavailable(..) => "unavailable",
-            Answer::UpstreamError(_) => "upstream-error",
+            Answer::UpstreamError(_) | Answer::ShadowedUpstreamError { .. } => "upstream-error",
         }
     }
 
@@ -170,7 +178,7 @@ impl Answer {
                     retry_after,
                 )
             }
-            Answer::UpstreamError(error) => {
+            Answer::UpstreamError(error) | Answer::ShadowedUpstreamError { error, .. } => {
                 let status = match error {
                     UpstreamError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
                     UpstreamError::Connect(_) | UpstreamError::Failed(_) => StatusCode::BAD_GATEWAY,

@@ -20,6 +20,7 @@ on_both_stores!(
     upstream_timeout_answers_504_and_settles_failed,
     json_keys_are_read_from_the_body,
     shadow_mode_forwards_everything_but_records_claims,
+    a_shadowed_duplicate_whose_upstream_fails_is_still_counted_as_a_duplicate,
     payload_mismatch_is_counted_or_rejected,
     a_mismatched_retry_of_a_failed_key_is_rejected_and_the_key_left_as_it_was,
     shadow_mode_records_the_payload_mismatches_it_would_reject,
@@ -231,21 +232,50 @@ async fn shadow_mode_forwards_everything_but_records_claims(backend: Backend) {
         assert_eq!((response.status, response.outcome()), (200, "passthrough"));
     }
     assert_eq!(app.upstream.count(), 3, "shadow mode suppresses nothing");
-    assert_eq!(app.upstream.seen()[0].header("x-dedupe-attempt"), Some("1"));
+    let seen = app.upstream.seen();
+    assert_eq!(seen[0].header("x-dedupe-attempt"), Some("1"));
+    // The duplicate holds no claim, so it names no attempt, but the
+    // application still learns its key.
+    assert_eq!(seen[1].header("x-dedupe-key"), Some("evt_s"));
+    assert_eq!(seen[1].header("x-dedupe-source"), Some("orders"));
+    assert_eq!(seen[1].header("x-dedupe-attempt"), None);
+    assert_eq!(seen[2].header("x-dedupe-key"), None, "no key to name");
     // The metrics say what enforcing would have done.
-    let metrics = app.admin_get("/metrics").await.body;
-    for line in [
+    app.assert_metrics(&[
         r#"dedupe_claims_total{result="won_new",route="orders"} 1"#,
         r#"dedupe_claims_total{result="lost_done",route="orders"} 1"#,
         r#"dedupe_requests_total{outcome="forwarded",route="orders"} 1"#,
         r#"dedupe_requests_total{outcome="duplicate",route="orders"} 1"#,
         r#"dedupe_requests_total{outcome="rejected_missing_key",route="orders"} 1"#,
-    ] {
-        assert!(
-            metrics.lines().any(|l| l == line),
-            "{line} missing from\n{metrics}"
-        );
-    }
+    ])
+    .await;
+}
+
+async fn a_shadowed_duplicate_whose_upstream_fails_is_still_counted_as_a_duplicate(
+    backend: Backend,
+) {
+    let app = TestApp::spawn(backend, |config| {
+        config.routes[0].mode = Mode::Shadow;
+        config.upstream.timeout = std::time::Duration::from_millis(300);
+    })
+    .await;
+    app.upstream
+        .script("evt_sf", [Behavior::Status(200), Behavior::Hang]);
+    assert_eq!(app.deliver("evt_sf", "{}").await.status, 200);
+    let duplicate = app.deliver("evt_sf", "{}").await;
+    assert_eq!(
+        (duplicate.status, duplicate.outcome()),
+        (504, "upstream-error"),
+        "the sender gets what the upstream did"
+    );
+    // Enforcing would have answered it as a duplicate, whatever the upstream
+    // did; the upstream's failure is in the upstream's own metrics.
+    app.assert_metrics(&[
+        r#"dedupe_requests_total{outcome="duplicate",route="orders"} 1"#,
+        r#"dedupe_requests_total{outcome="upstream_error",route="orders"} 0"#,
+        r#"dedupe_upstream_responses_total{class="timeout",route="orders"} 1"#,
+    ])
+    .await;
 }
 
 async fn payload_mismatch_is_counted_or_rejected(backend: Backend) {
@@ -324,8 +354,9 @@ async fn shadow_mode_records_the_payload_mismatches_it_would_reject(backend: Bac
     }
     assert_eq!(app.upstream.count(), 4, "shadow mode suppresses nothing");
     let unclaimed = &app.upstream.seen()[3];
+    assert_eq!(unclaimed.header("x-dedupe-key"), Some("evt_f"));
     assert_eq!(
-        unclaimed.header("x-dedupe-key"),
+        unclaimed.header("x-dedupe-attempt"),
         None,
         "forwarded unclaimed"
     );
@@ -334,16 +365,11 @@ async fn shadow_mode_records_the_payload_mismatches_it_would_reject(backend: Bac
     app.post("/hooks/json", &[], r#"{"id":"evt_f","n":1}"#)
         .await;
     assert_eq!(app.upstream.seen()[4].header("x-dedupe-attempt"), Some("2"));
-    let metrics = app.admin_get("/metrics").await.body;
-    for line in [
+    app.assert_metrics(&[
         r#"dedupe_requests_total{outcome="rejected_payload_mismatch",route="json"} 2"#,
         r#"dedupe_payload_mismatch_total{route="json"} 2"#,
-    ] {
-        assert!(
-            metrics.lines().any(|l| l == line),
-            "{line} missing from\n{metrics}"
-        );
-    }
+    ])
+    .await;
 }
 
 async fn forwarded_requests_carry_dedupe_and_forwarding_headers(backend: Backend) {

@@ -10,6 +10,7 @@ use dedupe_proxy::config::{Config, Mode, OnUnavailable};
 on_both_stores!(
     store_outage_answers_503_forwards_nothing_and_recovers_without_restart,
     store_outage_can_forward_without_dedupe,
+    in_shadow_mode_a_store_outage_forwards_with_the_key_and_no_attempt,
     graceful_shutdown_finishes_in_flight_requests_and_refuses_new_connections,
     claims_still_open_at_the_grace_deadline_are_released,
     a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_not_before,
@@ -150,6 +151,31 @@ async fn store_outage_can_forward_without_dedupe(backend: Backend) {
     let counted = r#"dedupe_requests_total{outcome="store_unavailable",route="orders"} 2"#;
     assert!(metrics.lines().any(|l| l == counted), "{metrics}");
     outage.end();
+}
+
+async fn in_shadow_mode_a_store_outage_forwards_with_the_key_and_no_attempt(backend: Backend) {
+    for on_unavailable in [OnUnavailable::Reject, OnUnavailable::Forward] {
+        let store = Arc::new(TestStore::new(backend).await);
+        let (mut outage, url) = Outage::prepare(backend, &store).await;
+        let app = TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+            config.store.url = url;
+            config.store.on_unavailable = on_unavailable;
+            config.routes[0].mode = Mode::Shadow;
+        })
+        .await;
+        outage.begin().await;
+        let response = app.deliver("evt_shadow_down", "{}").await;
+        assert_eq!(
+            (response.status, response.outcome()),
+            (200, "passthrough"),
+            "{on_unavailable:?}"
+        );
+        let seen = &app.upstream.seen()[0];
+        assert_eq!(seen.header("x-dedupe-key"), Some("evt_shadow_down"));
+        assert_eq!(seen.header("x-dedupe-source"), Some("orders"));
+        assert_eq!(seen.header("x-dedupe-attempt"), None, "no claim was won");
+        outage.end();
+    }
 }
 
 async fn graceful_shutdown_finishes_in_flight_requests_and_refuses_new_connections(
@@ -462,6 +488,10 @@ async fn in_shadow_mode_a_claim_won_too_late_is_released_and_the_delivery_forwar
         app.upstream.seen()[0].header("x-dedupe-attempt"),
         None,
         "forwarded without a claim"
+    );
+    assert_eq!(
+        app.upstream.seen()[0].header("x-dedupe-key"),
+        Some("evt_late")
     );
     let retry = app.deliver("evt_late", "{}").await;
     assert_eq!(retry.outcome(), "passthrough");

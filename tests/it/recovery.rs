@@ -171,16 +171,11 @@ async fn a_retry_during_an_unwritten_settle_is_compared_with_the_first_body() {
     let same = app.deliver("evt_gap", "{}").await;
     assert_eq!((same.status, same.outcome()), (409, "in-flight"));
     assert_eq!(app.upstream.count(), 1, "neither retry is forwarded");
-    let metrics = app.admin_get("/metrics").await.body;
-    for line in [
+    app.assert_metrics(&[
         r#"dedupe_payload_mismatch_total{route="orders"} 1"#,
         r#"dedupe_claims_total{result="lost_in_flight",route="orders"} 2"#,
-    ] {
-        assert!(
-            metrics.lines().any(|l| l == line),
-            "{line} missing from\n{metrics}"
-        );
-    }
+    ])
+    .await;
 
     relay.restore();
     let settled = async {

@@ -686,6 +686,17 @@ impl TestApp {
         TestResponse::read(self.client.request(request).await.expect("admin answers")).await
     }
 
+    /// Asserts that `/metrics` has each of `lines`, whole.
+    pub async fn assert_metrics(&self, lines: &[&str]) {
+        let metrics = self.admin_get("/metrics").await.body;
+        for line in lines {
+            assert!(
+                metrics.lines().any(|l| l == *line),
+                "{line} missing from\n{metrics}"
+            );
+        }
+    }
+
     /// Asks the proxy to stop (as SIGTERM does) and waits until it has.
     pub async fn shutdown(&mut self) {
         self.stop.cancel();
