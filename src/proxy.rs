@@ -273,9 +273,11 @@ impl Proxy {
                 }
             }
             Decision::Pass(reason) => {
-                let dedupe = shadow
-                    .then(|| unclaimed_dedupe_headers(route, trace))
-                    .flatten();
+                let dedupe = if shadow {
+                    unclaimed_dedupe_headers(route, trace)
+                } else {
+                    None
+                };
                 self.pass(route, request, reason, dedupe).await
             }
             // Shadow mode records what enforcing would answer, and forwards.

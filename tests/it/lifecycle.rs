@@ -147,9 +147,8 @@ async fn store_outage_can_forward_without_dedupe(backend: Backend) {
     }
     assert_eq!(app.upstream.count(), 2);
     assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
-    let metrics = app.admin_get("/metrics").await.body;
-    let counted = r#"dedupe_requests_total{outcome="store_unavailable",route="orders"} 2"#;
-    assert!(metrics.lines().any(|l| l == counted), "{metrics}");
+    app.assert_metrics(&[r#"dedupe_requests_total{outcome="store_unavailable",route="orders"} 2"#])
+        .await;
     outage.end();
 }
 

@@ -95,9 +95,10 @@ async fn unmatched_requests_can_be_rejected_with_404(backend: Backend) {
     let response = app.post("/elsewhere", &[], "{}").await;
     assert_eq!((response.status, response.outcome()), (404, "rejected"));
     assert_nothing_forwarded(&app).await;
-    let metrics = app.admin_get("/metrics").await.body;
-    let counted = r#"dedupe_requests_total{outcome="rejected_bad_request",route="unmatched"} 1"#;
-    assert!(metrics.lines().any(|l| l == counted), "{metrics}");
+    app.assert_metrics(&[
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="unmatched"} 1"#,
+    ])
+    .await;
 }
 
 async fn requests_over_the_concurrency_limit_get_503(backend: Backend) {
