@@ -210,6 +210,7 @@ impl Metrics {
             self.requests
                 .with_label_values(&[crate::config::UNMATCHED_ROUTE, outcome]);
         }
+        self.upstream_series(crate::config::UNMATCHED_ROUTE);
         for op in labels::STORE_OPS {
             self.store_duration.with_label_values(&[op]);
             self.store_errors.with_label_values(&[op]);
@@ -237,6 +238,18 @@ impl Metrics {
         self.upstream_duration.with_label_values(&[route])
     }
 
+    /// One route's upstream series, looked up once, for a caller that counts
+    /// on every request and should not hash its labels each time.
+    pub fn upstream_series(&self, route: &str) -> UpstreamSeries {
+        UpstreamSeries {
+            responses: labels::UPSTREAM_CLASSES
+                .iter()
+                .map(|class| self.upstream_responses.with_label_values(&[route, class]))
+                .collect(),
+            duration: self.upstream_duration(route),
+        }
+    }
+
     /// The text exposition (format 0.0.4).
     pub fn render(&self) -> String {
         let mut buffer = Vec::new();
@@ -244,6 +257,27 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut buffer)
             .expect("text encoding cannot fail");
         String::from_utf8(buffer).expect("exposition is UTF-8")
+    }
+}
+
+/// `dedupe_upstream_responses_total` and `dedupe_upstream_duration_seconds`
+/// of one route.
+pub struct UpstreamSeries {
+    /// In the order of [`labels::UPSTREAM_CLASSES`].
+    responses: Box<[IntCounter]>,
+    duration: Histogram,
+}
+
+impl UpstreamSeries {
+    /// Counts one upstream answer (or failure) of `class`, one of
+    /// [`labels::UPSTREAM_CLASSES`], that took `took`.
+    pub fn observe(&self, class: &str, took: std::time::Duration) {
+        let index = labels::UPSTREAM_CLASSES
+            .iter()
+            .position(|known| *known == class)
+            .expect("an upstream class is one of the label's values");
+        self.responses[index].inc();
+        self.duration.observe(took.as_secs_f64());
     }
 }
 

@@ -22,11 +22,11 @@ use tokio::sync::Semaphore;
 
 pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, Unavailable};
 pub use open_claims::{OpenClaim, OpenClaims};
-use record::{InFlight, log_request};
+use record::{InFlight, class_of, log_request};
 
 use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, Unmatched};
 use crate::key;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, UpstreamSeries};
 use crate::provider;
 use crate::route::{Route, Routes};
 use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
@@ -39,6 +39,8 @@ pub struct Proxy {
     store: Store,
     upstream: Upstream,
     metrics: Metrics,
+    /// Counted on every unmatched request, so looked up once.
+    unmatched_upstream: UpstreamSeries,
     open_claims: Arc<OpenClaims>,
     concurrency: Semaphore,
     settings: Settings,
@@ -120,6 +122,7 @@ impl Proxy {
             store,
             upstream: Upstream::new(&config.upstream, lanes)
                 .map_err(|error| format!("upstream: {error}"))?,
+            unmatched_upstream: metrics.upstream_series(UNMATCHED_ROUTE),
             metrics,
             open_claims: Arc::default(),
             concurrency: Semaphore::new(config.limits.max_concurrent_requests),
@@ -199,7 +202,11 @@ impl Proxy {
             return Answer::Rejected(Rejection::NoRoute);
         }
         let (parts, body) = request.into_parts();
-        match self.upstream.send(parts, body.boxed(), peer, None).await {
+        let sent_at = Instant::now();
+        let result = self.upstream.send(parts, body.boxed(), peer, None).await;
+        self.unmatched_upstream
+            .observe(class_of(&result), sent_at.elapsed());
+        match result {
             Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
             Err(error) => Answer::UpstreamError(error),
         }

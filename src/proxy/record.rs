@@ -41,7 +41,7 @@ impl Proxy {
         result: &Result<Response<Incoming>, UpstreamError>,
         took: Duration,
     ) {
-        let class = upstream_class(result.as_ref().map(|response| response.status().as_u16()));
+        let class = class_of(result);
         self.metrics
             .upstream_responses
             .with_label_values(&[&*route.name, class])
@@ -69,6 +69,11 @@ fn claim_result(claim: &Claim) -> &'static str {
         Claim::Done { .. } => "lost_done",
         Claim::InFlight { .. } => "lost_in_flight",
     }
+}
+
+/// The `class` label of `dedupe_upstream_responses_total` for one call.
+pub(super) fn class_of(result: &Result<Response<Incoming>, UpstreamError>) -> &'static str {
+    upstream_class(result.as_ref().map(|response| response.status().as_u16()))
 }
 
 /// The `class` label of `dedupe_upstream_responses_total`, from the status

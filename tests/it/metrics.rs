@@ -81,10 +81,11 @@ async fn every_series_exists_at_zero_from_start_up(backend: Backend) {
     let sizes = [
         ("dedupe_requests_total", routes.len() * 12 + 4),
         ("dedupe_claims_total", routes.len() * 5),
-        ("dedupe_upstream_responses_total", routes.len() * 6),
+        // Unmatched requests are forwarded too: their upstream series exist.
+        ("dedupe_upstream_responses_total", (routes.len() + 1) * 6),
         ("dedupe_payload_mismatch_total", routes.len()),
         ("dedupe_store_errors_total", 3),
-        ("dedupe_upstream_duration_seconds_count", routes.len()),
+        ("dedupe_upstream_duration_seconds_count", routes.len() + 1),
         ("dedupe_duplicate_age_seconds_count", routes.len()),
         ("dedupe_store_duration_seconds_count", 3),
     ];
@@ -225,6 +226,7 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
             (&[("route", "orders"), ("class", "4xx")], 1.0),
             (&[("route", "orders"), ("class", "5xx")], 1.0),
             (&[("route", "orders"), ("class", "timeout")], 1.0),
+            (&[("route", "unmatched"), ("class", "2xx")], 1.0),
         ])
     );
     assert_eq!(
@@ -239,12 +241,16 @@ async fn scripted_traffic_gives_exact_metric_values(backend: Backend) {
         series(&[(&[("version", env!("CARGO_PKG_VERSION"))], 1.0)])
     );
 
-    // Histogram counts match the traffic: 7 upstream calls on the route, 10
-    // claims, 7 settles, 2 duplicates; nothing else was observed.
+    // Histogram counts match the traffic: 7 upstream calls on the route and
+    // 1 unmatched, 10 claims, 7 settles, 2 duplicates; nothing else was
+    // observed.
     let counts = |family: &str| counted(metrics.series(&format!("{family}_count")));
     assert_eq!(
         counts("dedupe_upstream_duration_seconds"),
-        series(&[(&[("route", "orders")], 7.0)])
+        series(&[
+            (&[("route", "orders")], 7.0),
+            (&[("route", "unmatched")], 1.0)
+        ])
     );
     assert_eq!(
         counts("dedupe_store_duration_seconds"),
@@ -288,15 +294,29 @@ async fn an_unreachable_upstream_counts_as_a_connect_error(backend: Backend) {
         (response.status, response.outcome()),
         (502, "upstream-error")
     );
+    let unmatched = app.send(http::Method::GET, "/status", &[], "").await;
+    assert_eq!(
+        (unmatched.status, unmatched.outcome()),
+        (502, "upstream-error")
+    );
     let metrics = scrape(&app).await;
     assert_families_and_labels(&metrics);
     assert_eq!(
         counted(metrics.series("dedupe_upstream_responses_total")),
-        series(&[(&[("route", "orders"), ("class", "connect_error")], 1.0)])
+        series(&[
+            (&[("route", "orders"), ("class", "connect_error")], 1.0),
+            (&[("route", "unmatched"), ("class", "connect_error")], 1.0),
+        ])
     );
     assert_eq!(
         counted(metrics.series("dedupe_requests_total")),
-        series(&[(&[("route", "orders"), ("outcome", "upstream_error")], 1.0)])
+        series(&[
+            (&[("route", "orders"), ("outcome", "upstream_error")], 1.0),
+            (
+                &[("route", "unmatched"), ("outcome", "upstream_error")],
+                1.0
+            ),
+        ])
     );
     assert_eq!(
         counted(metrics.series("dedupe_claims_total")),
