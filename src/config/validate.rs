@@ -67,7 +67,7 @@ impl Config {
         check(
             is_table_name(&self.store.table),
             format!(
-                "store.table: `{}` must be an SQL identifier (letters, digits, _; optionally schema.table)",
+                "store.table: `{}` must be an SQL identifier of at most {MAX_TABLE_NAME_BYTES} characters (letters, digits, _; optionally schema.table)",
                 self.store.table
             ),
         );
@@ -343,15 +343,20 @@ fn is_route_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
+/// The table's index is named `<table>_received_at_idx`, and PostgreSQL
+/// truncates names past 63 bytes: a longer table name would give the index
+/// its table's own name, and the index would silently not be created.
+const MAX_TABLE_NAME_BYTES: usize = 63 - "_received_at_idx".len();
+
 fn is_table_name(name: &str) -> bool {
-    let identifier = |part: &str| {
-        (1..=63).contains(&part.len())
+    let identifier = |part: &str, max: usize| {
+        (1..=max).contains(&part.len())
             && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
             && !part.as_bytes()[0].is_ascii_digit()
     };
     match name.split_once('.') {
-        Some((schema, table)) => identifier(schema) && identifier(table),
-        None => identifier(name),
+        Some((schema, table)) => identifier(schema, 63) && identifier(table, MAX_TABLE_NAME_BYTES),
+        None => identifier(name, MAX_TABLE_NAME_BYTES),
     }
 }
 
@@ -661,6 +666,14 @@ mod tests {
         assert!(!is_table_name("events; drop table x"));
         assert!(!is_table_name("1events"));
         assert!(!is_table_name(""));
+        let longest = "t".repeat(MAX_TABLE_NAME_BYTES);
+        assert!(is_table_name(&longest));
+        assert!(is_table_name(&format!("{}.{longest}", "s".repeat(63))));
+        assert!(
+            !is_table_name(&format!("{longest}t")),
+            "its index name would be cut"
+        );
+        assert!(!is_table_name(&format!("s.{longest}t")));
     }
 
     #[test]

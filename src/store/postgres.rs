@@ -218,10 +218,28 @@ impl Backend for PostgresStore {
             )
             .await
             .map_err(postgres_error)?;
-        transaction
-            .batch_execute(&self.sql.migrate)
+        // `CREATE … IF NOT EXISTS` needs the right to create in the schema
+        // even when there is nothing to create, and a role that may only
+        // read and write rows (the table created by its owner) must still
+        // be able to start with `store.migrate: true`.
+        let in_place: bool = transaction
+            .query_typed(
+                "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL",
+                &[
+                    (&self.sql.table_regclass, Type::TEXT),
+                    (&self.sql.index_regclass, Type::TEXT),
+                ],
+            )
             .await
-            .map_err(postgres_error)?;
+            .map_err(postgres_error)?
+            .first()
+            .is_some_and(|row| row.get(0));
+        if !in_place {
+            transaction
+                .batch_execute(&self.sql.migrate)
+                .await
+                .map_err(postgres_error)?;
+        }
         transaction.commit().await.map_err(postgres_error)
     }
 

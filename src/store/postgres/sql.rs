@@ -6,6 +6,10 @@ use crate::store::sql_identifier;
 /// The statements the request path and `migrate` run.
 pub(super) struct Statements {
     pub(super) migrate: String,
+    /// The table and its index as text for `to_regclass`, to find a schema
+    /// that is already in place (see `PostgresStore::migrate`).
+    pub(super) table_regclass: String,
+    pub(super) index_regclass: String,
     pub(super) claim: String,
     pub(super) settle: String,
     /// The same decisions for a batch of one, with the same result columns:
@@ -24,10 +28,20 @@ pub(super) struct Statements {
 
 impl Statements {
     pub(super) fn new(table_name: &str) -> Self {
-        let unqualified = table_name.rsplit('.').next().unwrap_or(table_name);
+        let (schema, unqualified) = match table_name.rsplit_once('.') {
+            Some((schema, unqualified)) => (Some(schema), unqualified),
+            None => (None, table_name),
+        };
         let index = sql_identifier(&format!("{unqualified}_received_at_idx"));
         let table = sql_identifier(table_name);
+        // An index lives in its table's schema.
+        let index_regclass = match schema {
+            Some(schema) => format!("{}.{index}", sql_identifier(schema)),
+            None => index.clone(),
+        };
         Self {
+            table_regclass: table.clone(),
+            index_regclass,
             migrate: format!(
                 "CREATE TABLE IF NOT EXISTS {table} (
                    source           text        NOT NULL,
