@@ -30,7 +30,11 @@ impl Admin {
     /// Answers one admin request.
     pub async fn handle(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
         if request.method() != Method::GET && request.method() != Method::HEAD {
-            return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
+            let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
+            response
+                .headers_mut()
+                .insert(header::ALLOW, header::HeaderValue::from_static("GET, HEAD"));
+            return response;
         }
         match request.uri().path() {
             "/metrics" => {
@@ -67,5 +71,9 @@ impl Admin {
 fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(body.into()));
     *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     response
 }

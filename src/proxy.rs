@@ -285,13 +285,13 @@ impl Proxy {
                 } else {
                     None
                 };
-                self.pass(route, request, reason, dedupe).await
+                self.pass(route, request, reason, dedupe, trace).await
             }
             // Shadow mode records what enforcing would answer, and forwards.
             Decision::Answer(answer) if shadow => {
                 let reason = PassReason::Shadow(answer.metric_outcome());
                 let dedupe = unclaimed_dedupe_headers(route, trace);
-                self.pass(route, request, reason, dedupe).await
+                self.pass(route, request, reason, dedupe, trace).await
             }
             Decision::Answer(answer) => answer,
         }
@@ -480,6 +480,15 @@ impl Proxy {
             .await;
         let upstream_time = sent_at.elapsed();
         self.count_upstream(route, &result, upstream_time);
+        if let Err(error) = &result {
+            tracing::warn!(
+                route = &*route.name,
+                key = claim.key.as_str(),
+                attempt,
+                %error,
+                "upstream gave no response"
+            );
+        }
         let settlement = match &result {
             Ok(response) if route.is_done(response.status()) => Settlement {
                 status: SettledStatus::Done,
@@ -499,10 +508,7 @@ impl Proxy {
         let settle_time = settle_started.elapsed();
         let answer = match result {
             Ok(response) => Answer::Forwarded(response),
-            Err(error) => {
-                tracing::warn!(route = &*route.name, %error, "upstream gave no response");
-                Answer::UpstreamError(error)
-            }
+            Err(error) => Answer::UpstreamError(error),
         };
         (answer, Some(upstream_time), settle_time)
     }
@@ -513,13 +519,16 @@ impl Proxy {
         request: Checked,
         reason: PassReason,
         dedupe: Option<DedupeHeaders>,
+        trace: &mut Trace,
     ) -> Answer {
         let sent_at = Instant::now();
         let result = self
             .upstream
             .send(request.parts, full(request.body), request.peer, dedupe)
             .await;
-        self.count_upstream(route, &result, sent_at.elapsed());
+        let upstream_time = sent_at.elapsed();
+        trace.upstream_time = Some(upstream_time);
+        self.count_upstream(route, &result, upstream_time);
         match (result, reason) {
             (Ok(response), reason) => Answer::Passthrough(response, reason),
             (Err(error), PassReason::Shadow(enforced)) => {

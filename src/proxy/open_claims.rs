@@ -184,7 +184,7 @@ impl OpenClaims {
                 for (claim, error) in &failed {
                     tracing::error!(
                         route = &*claim.source,
-                        key = %claim.key,
+                        key = claim.key.as_str(),
                         attempt = claim.attempt,
                         %error,
                         "could not settle the claim by the end of the grace period; it is reclaimable when its lease expires"

@@ -35,14 +35,14 @@ impl Proxy {
             Ok(false) => {
                 tracing::warn!(
                     route = &*claim.source,
-                    key = %claim.key,
+                    key = claim.key.as_str(),
                     attempt,
                     "claim was taken over after its lease expired; outcome not recorded"
                 );
                 true
             }
             Err(error) => {
-                tracing::warn!(route = &*claim.source, key = %claim.key, attempt, %error, "settle failed; retrying in the background");
+                tracing::warn!(route = &*claim.source, key = claim.key.as_str(), attempt, %error, "settle failed; retrying in the background");
                 false
             }
         }
@@ -72,13 +72,24 @@ impl Proxy {
                 let write = store.settle(&claim.source, &claim.key, attempt, settlement);
                 match metrics.time_store("settle", write).await {
                     Ok(true) => {
-                        tracing::info!(route = &*claim.source, key = %claim.key, attempt, status = settlement.status.as_str(), "settled in the background");
+                        tracing::info!(
+                            route = &*claim.source,
+                            key = claim.key.as_str(),
+                            attempt,
+                            status = settlement.status.as_str(),
+                            "settled in the background"
+                        );
                         drop(guard);
                         return;
                     }
                     Ok(false) => {
                         // An earlier try may have been written with its reply lost.
-                        tracing::warn!(route = &*claim.source, key = %claim.key, attempt, "settle in the background found the claim no longer processing under this attempt: written by an earlier try, or taken over after its lease expired");
+                        tracing::warn!(
+                            route = &*claim.source,
+                            key = claim.key.as_str(),
+                            attempt,
+                            "settle in the background found the claim no longer processing under this attempt: written by an earlier try, or taken over after its lease expired"
+                        );
                         drop(guard);
                         return;
                     }
@@ -88,7 +99,12 @@ impl Proxy {
                 // before a retry of the event can take the key over.
                 delay = (delay * 2).min(SETTLE_RETRY_MAX_DELAY);
             }
-            tracing::error!(route = &*claim.source, key = %claim.key, attempt, "settle never succeeded within the key's retention");
+            tracing::error!(
+                route = &*claim.source,
+                key = claim.key.as_str(),
+                attempt,
+                "settle never succeeded within the key's retention"
+            );
         });
     }
 }

@@ -104,6 +104,38 @@ async fn each_webhook_logs_one_json_line_and_no_body() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_forwarded_without_a_claim_logs_its_upstream_time() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let config = config(
+        &upstream,
+        &store.url,
+        "defaults: { on_missing_key: forward }\n",
+    );
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    let request = Request::post(format!("http://{}/hooks/orders", proxy.addr))
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let response = TestResponse::read(client().request(request).await.expect("proxy answers"));
+    assert_eq!(response.await.outcome(), "passthrough");
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    let webhooks: Vec<Value> = lines
+        .iter()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|event| event["message"] == "webhook")
+        .collect();
+    assert_eq!(webhooks.len(), 1, "{lines:#?}");
+    let passed = &webhooks[0];
+    assert_eq!(passed["outcome"], "passthrough");
+    assert_eq!(passed["upstream_status"], 200);
+    let upstream_ms = passed["upstream_ms"].as_f64();
+    assert!(upstream_ms.is_some_and(|ms| ms >= 0.0), "{passed}");
+    assert_eq!(upstream.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_errors_are_logged_with_the_servers_message() {
     let store = TestStore::new(Backend::Postgres).await;
     let missing = store.url.rsplit_once('/').unwrap().0.to_owned() + "/dedupe_no_such_database";

@@ -67,6 +67,21 @@ async fn scrape(app: &TestApp) -> Exposition {
     Exposition::parse(&response.body)
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_answers_say_what_they_are_and_which_methods_they_take() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let text = Some("text/plain; charset=utf-8");
+    for (path, status) in [("/healthz", 200), ("/readyz", 200), ("/nothing-here", 404)] {
+        let response = app.admin_get(path).await;
+        assert_eq!(response.status, status, "{path}");
+        assert_eq!(response.header("content-type"), text, "{path}");
+    }
+    let refused = app.admin_request(http::Method::POST, "/metrics").await;
+    assert_eq!(refused.status, 405);
+    assert_eq!(refused.header("allow"), Some("GET, HEAD"));
+    assert_eq!(refused.header("content-type"), text);
+}
+
 /// A series born at its first event hides that event from `rate()` and
 /// `increase()`, so an alert on the first payload mismatch or store error
 /// after a restart would never fire.

@@ -680,7 +680,13 @@ impl TestApp {
     }
 
     pub async fn admin_get(&self, path: &str) -> TestResponse {
-        let request = Request::get(format!("http://{}{path}", self.admin))
+        self.admin_request(http::Method::GET, path).await
+    }
+
+    pub async fn admin_request(&self, method: http::Method, path: &str) -> TestResponse {
+        let request = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.admin))
             .body(Full::new(Bytes::new()))
             .unwrap();
         TestResponse::read(self.client.request(request).await.expect("admin answers")).await
