@@ -279,12 +279,10 @@ impl Proxy {
                     answer => answer,
                 }
             }
+            // A key found but not claimed (store down, or shadow) still goes
+            // to the application, which may deduplicate on it itself.
             Decision::Pass(reason) => {
-                let dedupe = if shadow {
-                    unclaimed_dedupe_headers(route, trace)
-                } else {
-                    None
-                };
+                let dedupe = unclaimed_dedupe_headers(route, trace);
                 self.pass(route, request, reason, dedupe, trace).await
             }
             // Shadow mode records what enforcing would answer, and forwards.

@@ -146,7 +146,10 @@ async fn store_outage_can_forward_without_dedupe(backend: Backend) {
         assert_eq!((response.status, response.outcome()), (200, "passthrough"));
     }
     assert_eq!(app.upstream.count(), 2);
-    assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
+    let seen = &app.upstream.seen()[0];
+    assert_eq!(seen.header("x-dedupe-key"), Some("evt_fwd"));
+    assert_eq!(seen.header("x-dedupe-source"), Some("orders"));
+    assert_eq!(seen.header("x-dedupe-attempt"), None, "no claim was made");
     app.assert_metrics(&[r#"dedupe_requests_total{outcome="store_unavailable",route="orders"} 2"#])
         .await;
     outage.end();
