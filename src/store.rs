@@ -415,13 +415,13 @@ impl StoreUrl {
     /// The URL with any password replaced, for printing.
     pub fn redact(url: &str) -> String {
         let Some((scheme, rest)) = url.split_once("://") else {
-            return url.to_owned();
+            return redact_password_parameter(url.to_owned());
         };
         // tokio-postgres takes everything up to the first `@` as user and
         // password, `/` and `?` included (a generated password often holds
         // them unencoded); the credentials are cut at the last `@` before the
         // query instead, so a password holding `@` is hidden too.
-        let mut redacted = match rest.find('@') {
+        let redacted = match rest.find('@') {
             Some(first_at) => {
                 let query = rest[first_at..]
                     .find('?')
@@ -435,16 +435,25 @@ impl StoreUrl {
             }
             None => url.to_owned(),
         };
-        // libpq also accepts the password as a query parameter.
-        if let Some(start) = redacted.find("password=") {
-            let value_start = start + "password=".len();
-            let value_end = redacted[value_start..]
-                .find('&')
-                .map_or(redacted.len(), |end| value_start + end);
-            redacted.replace_range(value_start..value_end, "REDACTED");
-        }
-        redacted
+        redact_password_parameter(redacted)
     }
+}
+
+/// libpq also takes the password as a query parameter, or as a field of a
+/// `key=value` connection string (which `store.url` refuses, but names).
+fn redact_password_parameter(mut text: String) -> String {
+    if let Some(start) = text.find("password=") {
+        let value_start = start + "password=".len();
+        let value = &text[value_start..];
+        let value_len = match value.strip_prefix('\'') {
+            Some(quoted) => quoted.find('\'').map_or(value.len(), |end| end + 2),
+            None => value
+                .find(|c: char| c == '&' || c.is_whitespace())
+                .unwrap_or(value.len()),
+        };
+        text.replace_range(value_start..value_start + value_len, "REDACTED");
+    }
+    text
 }
 
 #[cfg(test)]
@@ -496,6 +505,24 @@ mod tests {
             "postgres://u@db/x?password=REDACTED&sslmode=require"
         );
         assert_eq!(StoreUrl::redact("sqlite://dedupe.db"), "sqlite://dedupe.db");
+    }
+
+    #[test]
+    fn a_key_value_connection_string_is_refused_without_showing_its_password() {
+        for (given, shown) in [
+            (
+                "host=h user=u password=kvsecret dbname=d",
+                "host=h user=u password=REDACTED dbname=d",
+            ),
+            (
+                "host=h password='kv secret' dbname=d",
+                "host=h password=REDACTED dbname=d",
+            ),
+        ] {
+            let error = StoreUrl::parse(given).unwrap_err();
+            assert!(!error.contains("secret"), "{error}");
+            assert!(error.contains(shown), "{error}");
+        }
     }
 
     #[test]

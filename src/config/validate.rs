@@ -4,6 +4,7 @@
 //! are the parent module's.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use super::{Config, RouteConfig, Secrets, StatusMatch, UNMATCHED_ROUTE, duration};
 use crate::secret::SecretRef;
@@ -94,6 +95,22 @@ impl Config {
                 format!("{field}: must be greater than zero"),
             );
         }
+        // SQLite takes its busy timeout in milliseconds as an i32 (24.8 days);
+        // a store operation allowed a day is already no timeout at all.
+        check(
+            self.store.timeout <= MAX_STORE_TIMEOUT,
+            format!(
+                "store.timeout: must be at most {}",
+                duration::format(MAX_STORE_TIMEOUT)
+            ),
+        );
+        check(
+            self.limits.max_concurrent_requests <= tokio::sync::Semaphore::MAX_PERMITS,
+            format!(
+                "limits.max_concurrent_requests: must be at most {}",
+                tokio::sync::Semaphore::MAX_PERMITS
+            ),
+        );
         check(
             self.store.pool_size > 0,
             "store.pool_size: must be at least 1".into(),
@@ -203,6 +220,7 @@ impl Config {
         secrets: Secrets,
         problems: &mut Vec<String>,
     ) {
+        let before_route = problems.len();
         if !is_route_name(&route.name) {
             problems.push(format!(
                 "{at}.name: must be 1-64 characters of letters, digits, `-`, `_` or `.`"
@@ -229,7 +247,6 @@ impl Config {
                 problems.push(format!("{at}.methods: `{method}` is not an HTTP method"));
             }
         }
-        let before_key = problems.len();
         match &route.key {
             None if route.provider.is_none() => problems.push(format!(
                 "{at}.key: required without a provider: `{{ header: NAME }}` or `{{ json: /pointer }}`"
@@ -241,7 +258,6 @@ impl Config {
                 }
             }
         }
-        let key_is_valid = problems.len() == before_key;
         match (&route.provider, &route.signature, route.secrets.is_empty()) {
             (Some(_), Some(_), _) => problems.push(format!(
                 "{at}.signature: a provider brings its own signature scheme; remove one of them"
@@ -263,7 +279,6 @@ impl Config {
             problems.push(format!("{at}.retention: must be greater than zero"));
         }
         let mut effective = self.effective_route(route);
-        let before = problems.len();
         validate_statuses(
             at,
             effective.done_on.as_deref().unwrap_or_default(),
@@ -271,9 +286,10 @@ impl Config {
             effective.in_flight_status.unwrap_or_default(),
             problems,
         );
-        // Secrets are resolved and schemes built only for a route whose key
-        // and statuses are valid: compiling would report those again.
-        if problems.len() > before || !key_is_valid {
+        // Secrets are resolved and schemes built only for a route found valid
+        // so far: compiling trusts what was checked above, and would report
+        // a bad key or status again.
+        if problems.len() > before_route {
             return;
         }
         if secrets == Secrets::Ignore {
@@ -342,6 +358,8 @@ fn is_route_name(name: &str) -> bool {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
+
+const MAX_STORE_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The table's index is named `<table>_received_at_idx`, and PostgreSQL
 /// truncates names past 63 bytes: a longer table name would give the index
@@ -421,6 +439,44 @@ mod tests {
             let config = parse(&format!("log_level: '{accepted}'"));
             assert!(config.is_ok(), "{accepted}: {config:?}");
         }
+    }
+
+    #[test]
+    fn a_route_without_a_path_or_with_a_bad_method_is_an_error_not_a_crash() {
+        let found = problems("routes:\n  - { name: a, key: { header: X } }");
+        assert_eq!(found, ["routes[0] (a) (line 2): needs path or path_prefix"]);
+        for method in ["B@D", "GET POST"] {
+            let found = problems(&format!(
+                "routes: [{{ name: a, path: /a, key: {{ header: X }}, methods: ['{method}'] }}]"
+            ));
+            assert_eq!(
+                found,
+                [format!(
+                    "routes[0] (a).methods (line 1): `{method}` is not an HTTP method"
+                )]
+            );
+        }
+    }
+
+    #[test]
+    fn a_store_timeout_or_concurrency_limit_past_what_the_runtime_takes_is_an_error() {
+        let found = problems(&format!("store: {{ timeout: 25d }}\n{ROUTE}"));
+        assert!(
+            found
+                .iter()
+                .any(|p| p.starts_with("store.timeout (line 1): must be at most 1d")),
+            "{found:?}"
+        );
+        assert!(parse(&format!("store: {{ timeout: 24h }}\n{ROUTE}")).is_ok());
+        let found = problems(&format!(
+            "limits: {{ max_concurrent_requests: 18446744073709551615 }}\n{ROUTE}"
+        ));
+        assert!(
+            found
+                .iter()
+                .any(|p| p.starts_with("limits.max_concurrent_requests (line 1): must be at most")),
+            "{found:?}"
+        );
     }
 
     #[test]
