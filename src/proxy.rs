@@ -167,7 +167,6 @@ impl Proxy {
     ) -> Response<Body> {
         let started = Instant::now();
         let _in_flight = InFlight::count(&self.metrics.in_flight);
-        let mut trace = Trace::default();
         let route = self.routes.find(request.method(), request.uri().path());
         let route_name = route.map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let malformed = malformation(&request);
@@ -180,21 +179,33 @@ impl Proxy {
             // the connection's first request to its close, so what it holds
             // inline is memory every idle keep-alive connection pays for.
             Ok(_permit) => match route {
+                // Counted and logged where it is decided, which is not
+                // cancelled when the sender hangs up.
                 Some(route) => {
-                    let answer;
-                    (answer, trace) =
-                        Box::pin(self.webhook(Arc::clone(route), request, peer)).await;
-                    answer
+                    return Box::pin(self.webhook(Arc::clone(route), request, peer, started))
+                        .await
+                        .into_response();
                 }
                 None => Box::pin(self.unmatched(request, peer)).await,
             },
         };
+        self.record(
+            route.is_some(),
+            route_name,
+            &Trace::default(),
+            &answer,
+            started,
+        );
+        answer.into_response()
+    }
+
+    /// Counts a request's outcome and writes its log line.
+    fn record(&self, webhook: bool, route: &str, trace: &Trace, answer: &Answer, started: Instant) {
         self.metrics
             .requests
-            .with_label_values(&[route_name, answer.metric_outcome()])
+            .with_label_values(&[route, answer.metric_outcome()])
             .inc();
-        log_request(route.is_some(), route_name, &trace, &answer, started);
-        answer.into_response()
+        log_request(webhook, route, trace, answer, started);
     }
 
     async fn unmatched(&self, request: Request<Incoming>, peer: Peer) -> Answer {
@@ -221,15 +232,29 @@ impl Proxy {
         route: Arc<Route>,
         request: Request<Incoming>,
         peer: Peer,
-    ) -> (Answer, Trace) {
+        started: Instant,
+    ) -> Answer {
         let (parts, body) = match self.read(request).await {
             Ok(read) => read,
-            Err(rejection) => return (Answer::Rejected(rejection), Trace::default()),
+            Err(rejection) => {
+                let answer = Answer::Rejected(rejection);
+                self.record(true, &route.name, &Trace::default(), &answer, started);
+                return answer;
+            }
         };
-        let task = tokio::spawn(Arc::clone(self).process(route, parts, body, peer));
+        let route_for_failure = Arc::clone(&route);
+        let task = tokio::spawn(Arc::clone(self).process(route, parts, body, peer, started));
         task.await.unwrap_or_else(|error| {
             let failure = UpstreamError::Failed(format!("webhook task failed: {error}"));
-            (Answer::UpstreamError(failure), Trace::default())
+            let answer = Answer::UpstreamError(failure);
+            self.record(
+                true,
+                &route_for_failure.name,
+                &Trace::default(),
+                &answer,
+                started,
+            );
+            answer
         })
     }
 
@@ -239,12 +264,14 @@ impl Proxy {
         parts: Parts,
         body: Bytes,
         peer: Peer,
-    ) -> (Answer, Trace) {
+        started: Instant,
+    ) -> Answer {
         let mut trace = Trace::default();
         let answer = self
             .verified_webhook(&route, parts, body, peer, &mut trace)
             .await;
-        (answer, trace)
+        self.record(true, &route.name, &trace, &answer, started);
+        answer
     }
 
     async fn verified_webhook(

@@ -532,6 +532,40 @@ async fn a_sender_that_hangs_up_during_its_claim_leaves_no_orphaned_claim(backen
     assert_eq!(app.upstream.count(), 1);
 }
 
+/// An HTTP/2 sender that cancels its stream drops the request's handler at
+/// once (an HTTP/1 connection only notices on writing the answer); the
+/// delivery still goes on to the upstream, and is counted as forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_whose_http2_stream_is_cancelled_is_still_counted() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_reset", [Behavior::Gate(Arc::clone(&gate))]);
+    let tcp = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    let mut sender = crate::support::http2_sender(tcp).await;
+    let stream = tokio::spawn(async move {
+        crate::support::send_http2(&mut sender, "/hooks/orders", "evt_reset").await
+    });
+    app.upstream.wait_for(1).await;
+    stream.abort();
+    assert!(stream.await.unwrap_err().is_cancelled());
+    gate.open();
+    redelivered_until_duplicate(&app, "evt_reset").await;
+    let forwarded = r#"dedupe_requests_total{outcome="forwarded",route="orders"} 1"#;
+    let counted = async {
+        loop {
+            let metrics = app.admin_get("/metrics").await.body;
+            if metrics.lines().any(|line| line == forwarded) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), counted)
+        .await
+        .expect("the cancelled delivery was counted as forwarded");
+}
+
 /// Delivers `key` again until it is answered `duplicate` (its outcome was
 /// written), every answer before that being `in-flight`, never forwarded.
 async fn redelivered_until_duplicate(app: &TestApp, key: &str) {
