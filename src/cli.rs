@@ -85,7 +85,9 @@ pub enum KeysCommand {
     Show {
         /// The route name.
         source: String,
-        /// The idempotency key.
+        /// The idempotency key (`--` before one that starts with `-`, unless
+        /// it is a number).
+        #[arg(allow_negative_numbers = true)]
         key: String,
         /// Print a JSON object instead of a table.
         #[arg(long)]
@@ -95,7 +97,9 @@ pub enum KeysCommand {
     Forget {
         /// The route name.
         source: String,
-        /// The idempotency key.
+        /// The idempotency key (`--` before one that starts with `-`, unless
+        /// it is a number).
+        #[arg(allow_negative_numbers = true)]
         key: String,
     },
     /// Turn a `processing` key into `failed`: its next delivery is forwarded
@@ -103,7 +107,9 @@ pub enum KeysCommand {
     Release {
         /// The route name.
         source: String,
-        /// The idempotency key.
+        /// The idempotency key (`--` before one that starts with `-`, unless
+        /// it is a number).
+        #[arg(allow_negative_numbers = true)]
         key: String,
     },
 }
@@ -132,4 +138,51 @@ impl From<StatusArg> for KeyStatus {
 fn parse_duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text)
         .map_err(|error| format!("{error} (write durations like 30m, 72h or 7d)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key_of(args: &[&str]) -> String {
+        let cli = Cli::try_parse_from(args).unwrap_or_else(|error| panic!("{args:?}: {error}"));
+        match cli.command {
+            Some(Command::Keys {
+                command:
+                    KeysCommand::Show { key, .. }
+                    | KeysCommand::Forget { key, .. }
+                    | KeysCommand::Release { key, .. },
+            }) => key,
+            other => panic!("{args:?}: {other:?}"),
+        }
+    }
+
+    /// A JSON pointer to a number gives its text as the key, which may be
+    /// negative.
+    #[test]
+    fn a_negative_numeric_key_is_a_key_not_a_flag() {
+        for action in ["show", "forget", "release"] {
+            assert_eq!(
+                key_of(&["dedupe-proxy", "keys", action, "json", "-42"]),
+                "-42"
+            );
+            assert_eq!(
+                key_of(&[
+                    "dedupe-proxy",
+                    "keys",
+                    action,
+                    "json",
+                    "-4.5",
+                    "-c",
+                    "f.yaml"
+                ]),
+                "-4.5"
+            );
+        }
+        assert_eq!(
+            key_of(&["dedupe-proxy", "keys", "show", "json", "--", "-x"]),
+            "-x"
+        );
+        assert!(Cli::try_parse_from(["dedupe-proxy", "keys", "show", "json", "-x"]).is_err());
+    }
 }
