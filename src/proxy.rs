@@ -182,7 +182,7 @@ impl Proxy {
                 // Counted and logged where it is decided, which is not
                 // cancelled when the sender hangs up.
                 Some(route) => {
-                    return Box::pin(self.webhook(Arc::clone(route), request, peer, started))
+                    return Box::pin(self.webhook(route, request, peer, started))
                         .await
                         .into_response();
                 }
@@ -229,7 +229,7 @@ impl Proxy {
     /// until its lease expired (and an effect might go unrecorded).
     async fn webhook(
         self: &Arc<Self>,
-        route: Arc<Route>,
+        route: &Arc<Route>,
         request: Request<Incoming>,
         peer: Peer,
         started: Instant,
@@ -242,18 +242,12 @@ impl Proxy {
                 return answer;
             }
         };
-        let route_for_failure = Arc::clone(&route);
-        let task = tokio::spawn(Arc::clone(self).process(route, parts, body, peer, started));
+        let task =
+            tokio::spawn(Arc::clone(self).process(Arc::clone(route), parts, body, peer, started));
         task.await.unwrap_or_else(|error| {
             let failure = UpstreamError::Failed(format!("webhook task failed: {error}"));
             let answer = Answer::UpstreamError(failure);
-            self.record(
-                true,
-                &route_for_failure.name,
-                &Trace::default(),
-                &answer,
-                started,
-            );
+            self.record(true, &route.name, &Trace::default(), &answer, started);
             answer
         })
     }
