@@ -622,6 +622,9 @@ class Run:
     errors: dict = field(default_factory=dict)
     cpu_cores: dict = field(default_factory=dict)
     rss_max_kib: int | None = None
+    # Mean time a request spent in its claim (queued for a batch, the batch
+    # at the database, the answer back), from the proxy's own histogram.
+    claim_ms: float | None = None
     checks: dict = field(default_factory=dict)
 
 
@@ -804,6 +807,8 @@ class Bench:
             elif not self.run_pgbench(s, c, nonce, duration, run, retry=attempt < 6):
                 continue
             break
+        if proxy:
+            run.claim_ms = mean_claim_ms(before, proxy.metrics())
         self.verify(s, c, run, proxy, before)
         if record:
             self.runs.append(run)
@@ -1235,10 +1240,20 @@ class Proxy:
     def metrics(self):
         values = {}
         for line in http_get(f"http://127.0.0.1:{self.admin}/metrics").splitlines():
-            if line.startswith("dedupe_requests_total") or line.startswith("dedupe_payload_mismatch_total"):
+            if line.startswith(("dedupe_requests_total", "dedupe_payload_mismatch_total",
+                                "dedupe_store_duration_seconds_sum", "dedupe_store_duration_seconds_count")):
                 key, _, value = line.rpartition(" ")
                 values[key] = float(value)
         return values
+
+
+def mean_claim_ms(before, after):
+    """The mean claim time between two scrapes, or None without claims."""
+    def delta(series):
+        key = f'dedupe_store_duration_seconds_{series}{{op="claim"}}'
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    count = delta("count")
+    return round(delta("sum") / count * 1000, 4) if count else None
 
 
 def read_response(sock):
@@ -1392,6 +1407,8 @@ class Report:
                     "p50_ms": round(med([r.p50_ms for r in runs]), 3),
                     "p99_ms": round(med([r.p99_ms for r in runs]), 3),
                     "cpu_cores": cpu,
+                    "claim_ms": (round(med([r.claim_ms for r in runs]), 4)
+                                 if all(r.claim_ms is not None for r in runs) else None),
                 })
         return rows
 
@@ -1533,6 +1550,18 @@ class Report:
             print(f"  {row['scenario']:<15s} {row['concurrency']:>5d} "
                   + " ".join(f"{cpu.get(r, 0.0):>9.2f}" for r in roles)
                   + f" {fmt(per_req, 1):>13s}")
+        claimed = [row for row in self.summary if row.get("claim_ms") is not None]
+        if claimed:
+            # A closed loop of c senders at r requests/s keeps each request
+            # c / r seconds on average (Little's law), the sender's side included.
+            print("\n== Where a request's time goes (means, medians over repetitions): the claim"
+                  " (queued for a batch, at the database, back) against the whole round trip")
+            print(f"  {'scenario':<15s} {'conc':>5s} {'round trip ms':>14s} {'claim ms':>9s} {'share':>6s}")
+            for row in claimed:
+                trip = row["concurrency"] / row["rps_median"] * 1000 if row["rps_median"] else None
+                share = f"{row['claim_ms'] / trip:.0%}" if trip else "--"
+                print(f"  {row['scenario']:<15s} {row['concurrency']:>5d} {fmt(trip, 3):>14s}"
+                      f" {row['claim_ms']:>9.3f} {share:>6s}")
         print("\n== Targets")
         for t in self.targets:
             mark = {True: "met ", False: "MISS", None: " -- "}[t["met"]]
