@@ -807,9 +807,10 @@ class Bench:
             elif not self.run_pgbench(s, c, nonce, duration, run, retry=attempt < 6):
                 continue
             break
+        after = proxy.metrics() if proxy else None
         if proxy:
-            run.claim_ms = mean_claim_ms(before, proxy.metrics())
-        self.verify(s, c, run, proxy, before)
+            run.claim_ms = mean_claim_ms(before, after)
+        self.verify(s, c, run, proxy, before, after)
         if record:
             self.runs.append(run)
         return run
@@ -893,12 +894,12 @@ class Bench:
 
     # ---- checks: a benchmark of error responses is worthless
 
-    def verify(self, s: Scenario, c, run: Run, proxy, before):
+    def verify(self, s: Scenario, c, run: Run, proxy, before, after):
         problems = self.check_answers(s, run)
         if s.group in ("first", "dup", "sqlite"):
             problems += self.check_store(s, run)
         if proxy:
-            problems += self.check_proxy(s, run, proxy, before)
+            problems += self.check_proxy(s, run, proxy, before, after)
         if problems:
             raise BenchError(f"{s.name} at {c} connections (rep {run.rep}): " + "; ".join(problems))
 
@@ -943,11 +944,10 @@ class Bench:
             problems.append(f"the pre-populated keys changed: {counts}")
         return problems
 
-    def check_proxy(self, s, run, proxy, before):
+    def check_proxy(self, s, run, proxy, before, after):
         """What the proxy counted and logged: only the expected outcome, no
         payload mismatches, no warnings."""
         problems = []
-        after = proxy.metrics()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         outcome = s.expect.split()[1]
         route = "unmatched" if s.group == "pass" else ROUTE
