@@ -331,13 +331,7 @@ async fn a_duplicate_claim_takes_no_row_lock() {
     assert!(store.settle("src", "d1", 1, done).await.unwrap());
 
     let mut holder = test_store.postgres().await;
-    let lock = holder.transaction().await.unwrap();
-    lock.execute(
-        "SELECT 1 FROM processed_events WHERE event_id = 'd1' FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
+    let lock = lock_key(&mut holder, "d1").await;
     let alone = store.claim(&request("d1")).await;
     assert!(matches!(alone, Ok(Claim::Done { .. })), "{alone:?}");
     let keys: Vec<String> = ["d1", "n1", "d1", "n2", "n3"].map(String::from).into();
@@ -370,6 +364,69 @@ async fn a_key_the_database_refuses_fails_alone() {
             );
         }
     }
+}
+
+/// New keys are committed by the claim statement before the keys it found
+/// failed are taken back by another: when the database refuses the take-back
+/// (here, a row lock it may not wait for), only the failed key's claim
+/// fails. The new keys of its batch stay won, and the failed key is still
+/// there to be taken back once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_back_the_database_refuses_fails_only_its_own_key() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let impatient = format!("{}?options=-c%20lock_timeout%3D100ms", test_store.url);
+    let store = open(&impatient).await;
+    assert!(matches!(
+        store.claim(&request("failed")).await.unwrap(),
+        Claim::Won { attempt: 1, .. }
+    ));
+    assert!(
+        store
+            .settle("src", "failed", 1, Settlement::RELEASED)
+            .await
+            .unwrap()
+    );
+    let mut holder = test_store.postgres().await;
+    let hold = lock_key(&mut holder, "failed").await;
+
+    // `new0` goes out alone; the rest queue behind it as one batch.
+    let mut keys: Vec<String> = (0..10).map(|i| format!("new{i}")).collect();
+    keys.insert(1, "failed".into());
+    for (key, claim) in claim_all(&store, &keys).await {
+        if key == "failed" {
+            assert!(claim.is_err(), "the key that cannot be taken back fails");
+        } else {
+            assert!(
+                matches!(
+                    claim,
+                    Ok(Claim::Won {
+                        attempt: 1,
+                        from: WonFrom::New,
+                        ..
+                    })
+                ),
+                "{key}: {claim:?}"
+            );
+            let row = store.show("src", &key).await.unwrap().unwrap();
+            assert_eq!(
+                (row.status, row.attempts),
+                (KeyStatus::Processing, 1),
+                "{key}"
+            );
+        }
+    }
+    let row = store.show("src", "failed").await.unwrap().unwrap();
+    assert_eq!((row.status, row.attempts), (KeyStatus::Failed, 1));
+
+    hold.commit().await.unwrap();
+    assert!(matches!(
+        store.claim(&request("failed")).await.unwrap(),
+        Claim::Won {
+            attempt: 2,
+            from: WonFrom::Failed,
+            ..
+        }
+    ));
 }
 
 /// A runtime on a thread of its own, as a serving thread's is, until
@@ -586,6 +643,21 @@ async fn a_claim_that_times_out_and_then_wins_is_released() {
         ),
         "the sender's retry takes the key over"
     );
+}
+
+/// Locks the row of `src`/`key` in a transaction left open.
+async fn lock_key<'a>(
+    client: &'a mut tokio_postgres::Client,
+    key: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let lock = client.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id = $1 FOR UPDATE",
+        &[&key],
+    )
+    .await
+    .unwrap();
+    lock
 }
 
 /// Inserts `src`/`key` as `processing` in a transaction left open: a claim

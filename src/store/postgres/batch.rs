@@ -1,6 +1,7 @@
 //! Claims and settles coalesced into multi-row statements: the queues, the
-//! rounds that keep a key out of a statement twice, and a refused statement
-//! retried key by key so that it fails only its own requests.
+//! rounds that keep a key out of a statement twice, the take-back of keys a
+//! claim found failed or expired, and a refused statement retried key by key
+//! so that it fails only its own requests.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio_postgres::Row;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 
 use super::sql::Statements;
 use super::{Params, Session, postgres_error};
@@ -135,7 +136,7 @@ impl BatchRunner {
                 .partition(|&i| keys.insert((&*requests[i].source, requests[i].key.as_str())));
             let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
             for (slot, claim) in round.iter().zip(self.isolated(&round_requests).await) {
-                claims[*slot] = Some(claim);
+                claims[*slot] = Some(claim.and_then(std::convert::identity));
             }
             pending = later;
         }
@@ -198,7 +199,14 @@ impl BatchRunner {
         }
     }
 
-    async fn claim_round(&self, requests: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+    /// Claims the round's keys. Its new keys are decided, and committed, by
+    /// the claim statement; what happens to keys it found failed or expired
+    /// (taken back by a statement of their own) cannot undo that, so the
+    /// round's result is per key.
+    async fn claim_round(
+        &self,
+        requests: &[&ClaimRequest],
+    ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
         let rows = match requests {
             [one] => {
                 let params: &Params<'_> = &[
@@ -211,41 +219,94 @@ impl BatchRunner {
                 self.session.query(&self.sql.claim_one, params).await?
             }
             _ => {
-                let sources: Vec<&str> = requests.iter().map(|r| &*r.source).collect();
-                let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
-                let hashes: Vec<&[u8]> = requests.iter().map(|r| &r.payload_sha256[..]).collect();
-                let leases: Vec<i64> = requests.iter().map(|r| lease_ms(r)).collect();
-                let rejects: Vec<bool> = requests.iter().map(|r| r.reject_mismatch).collect();
-                let params: &Params<'_> = &[
-                    (&sources, Type::TEXT_ARRAY),
-                    (&keys, Type::TEXT_ARRAY),
-                    (&hashes, Type::BYTEA_ARRAY),
-                    (&leases, Type::INT8_ARRAY),
-                    (&rejects, Type::BOOL_ARRAY),
-                ];
-                self.session.query(&self.sql.claim, params).await?
+                let columns = ClaimColumns::of(requests);
+                self.session
+                    .query(&self.sql.claim, &columns.params())
+                    .await?
             }
         };
         let mut claims = vec![None; requests.len()];
         let mut unseen = Vec::new();
+        let mut retakable = Vec::new();
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
             if let Some(slot) = claims.get_mut(index) {
                 if lost_to_an_unseen_row(row) {
                     unseen.push(index);
                 }
-                *slot = Some(claim_from_row(row, &requests[index].payload_sha256));
+                if row.get::<_, bool>(6) {
+                    retakable.push(index);
+                }
+                *slot = Some(Ok(claim_from_row(row, &requests[index].payload_sha256)));
             }
         }
         if !unseen.is_empty() {
             self.recheck_lost(requests, &unseen, &mut claims).await;
         }
-        claims
+        if !retakable.is_empty() {
+            self.take_back(requests, &retakable, &mut claims).await;
+        }
+        Ok(claims
             .into_iter()
             .map(|claim| {
-                claim.ok_or_else(|| StoreError::Postgres("a claim got no result row".into()))
+                claim.unwrap_or_else(|| {
+                    Err(StoreError::Postgres("a claim got no result row".into()))
+                })
             })
-            .collect()
+            .collect())
+    }
+
+    /// Takes back the keys the claim statement found failed or expired. A
+    /// key another replica took first stays in flight, as the claim found
+    /// it; a refused statement is retried key by key, so a key that cannot
+    /// be taken back fails alone.
+    async fn take_back(
+        &self,
+        requests: &[&ClaimRequest],
+        retakable: &[usize],
+        claims: &mut [Option<Result<Claim, StoreError>>],
+    ) {
+        let take_backs: Vec<TakeBack<'_>> =
+            retakable.iter().map(|&i| TakeBack(requests[i])).collect();
+        let take_backs: Vec<&TakeBack<'_>> = take_backs.iter().collect();
+        for (&index, taken) in retakable.iter().zip(self.isolated(&take_backs).await) {
+            match taken {
+                Ok(Some(won)) => claims[index] = Some(Ok(won)),
+                Ok(None) => {}
+                Err(error) => claims[index] = Some(Err(error)),
+            }
+        }
+    }
+
+    async fn retake_round(
+        &self,
+        take_backs: &[&TakeBack<'_>],
+    ) -> Result<Vec<Option<Claim>>, StoreError> {
+        let requests: Vec<&ClaimRequest> = take_backs.iter().map(|take_back| take_back.0).collect();
+        let columns = ClaimColumns::of(&requests);
+        let rows = self
+            .session
+            .query(&self.sql.retake, &columns.params())
+            .await?;
+        let mut taken = vec![None; requests.len()];
+        for row in &rows {
+            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            if let Some(slot) = taken.get_mut(index) {
+                let stored_sha: Option<&[u8]> = row.get(2);
+                let from: &str = row.get(3);
+                *slot = Some(Claim::Won {
+                    attempt: row.get(1),
+                    from: if from == "processing" {
+                        WonFrom::ExpiredLease
+                    } else {
+                        WonFrom::Failed
+                    },
+                    payload_mismatch: stored_sha
+                        .is_some_and(|stored| stored != requests[index].payload_sha256),
+                });
+            }
+        }
+        Ok(taken)
     }
 
     /// A claim that lost to a row inserted by a concurrent claim committed
@@ -258,7 +319,7 @@ impl BatchRunner {
         &self,
         requests: &[&ClaimRequest],
         unseen: &[usize],
-        claims: &mut [Option<Claim>],
+        claims: &mut [Option<Result<Claim, StoreError>>],
     ) {
         let sources: Vec<&str> = unseen.iter().map(|&i| &*requests[i].source).collect();
         let keys: Vec<&str> = unseen.iter().map(|&i| requests[i].key.as_str()).collect();
@@ -276,11 +337,11 @@ impl BatchRunner {
                 continue;
             };
             let stored_sha: Option<&[u8]> = row.get(2);
-            claims[index] = Some(lost_claim(
+            claims[index] = Some(Ok(lost_claim(
                 row.get(1),
                 row.get(3),
                 stored_sha.is_some_and(|stored| stored != requests[index].payload_sha256),
-            ));
+            )));
         }
     }
 
@@ -360,10 +421,60 @@ trait Round: Sized {
 }
 
 impl Round for ClaimRequest {
-    type Outcome = Claim;
+    type Outcome = Result<Claim, StoreError>;
 
-    async fn run(runner: &BatchRunner, requests: &[&Self]) -> Result<Vec<Claim>, StoreError> {
+    async fn run(
+        runner: &BatchRunner,
+        requests: &[&Self],
+    ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
         runner.claim_round(requests).await
+    }
+}
+
+/// A claim for a key the claim statement found failed or expired; its
+/// outcome is the won claim, or none if the key was not there to take.
+struct TakeBack<'a>(&'a ClaimRequest);
+
+impl Round for TakeBack<'_> {
+    type Outcome = Option<Claim>;
+
+    async fn run(
+        runner: &BatchRunner,
+        requests: &[&Self],
+    ) -> Result<Vec<Option<Claim>>, StoreError> {
+        runner.retake_round(requests).await
+    }
+}
+
+/// A batch of claims as the columns the claim and take-back statements
+/// unnest.
+struct ClaimColumns<'a> {
+    sources: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    hashes: Vec<&'a [u8]>,
+    leases: Vec<i64>,
+    rejects: Vec<bool>,
+}
+
+impl<'a> ClaimColumns<'a> {
+    fn of(requests: &[&'a ClaimRequest]) -> Self {
+        Self {
+            sources: requests.iter().map(|r| &*r.source).collect(),
+            keys: requests.iter().map(|r| r.key.as_str()).collect(),
+            hashes: requests.iter().map(|r| &r.payload_sha256[..]).collect(),
+            leases: requests.iter().map(|r| lease_ms(r)).collect(),
+            rejects: requests.iter().map(|r| r.reject_mismatch).collect(),
+        }
+    }
+
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 5] {
+        [
+            (&self.sources, Type::TEXT_ARRAY),
+            (&self.keys, Type::TEXT_ARRAY),
+            (&self.hashes, Type::BYTEA_ARRAY),
+            (&self.leases, Type::INT8_ARRAY),
+            (&self.rejects, Type::BOOL_ARRAY),
+        ]
     }
 }
 
