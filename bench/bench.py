@@ -1626,7 +1626,7 @@ def plot(summary, conc, path, machine):
              "sqlite-first": ("C2", "-", "^"), "sqlite-dup": ("C3", "-", "^"),
              "proxy-pass": ("C0", "-", "o"), "nginx-proxy": ("C4", "--", "s"),
              "nginx-direct": ("C7", ":", "d")}
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.4))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.4))
     for ax, (title, yscale, names) in zip(axes, panels):
         for name in names:
             rows = [r for r in summary if r["scenario"] == name]
@@ -1653,7 +1653,8 @@ def plot(summary, conc, path, machine):
             ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7.5, loc="best")
+        # Below the axes: inside, the legend hid whichever curve ran under it.
+        ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fig.suptitle(f"dedupe-proxy {machine['dedupe-proxy'].split(',')[0]} — {machine['nproc']} CPUs, "
                  f"{machine['date']} — median of repetitions, bars: min..max", fontsize=10)
     fig.tight_layout()
