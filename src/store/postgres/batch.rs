@@ -292,17 +292,14 @@ impl BatchRunner {
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
             if let Some(slot) = taken.get_mut(index) {
-                let stored_sha: Option<&[u8]> = row.get(2);
-                let from: &str = row.get(3);
+                let from = match row.get(3) {
+                    "processing" => WonFrom::ExpiredLease,
+                    _ => WonFrom::Failed,
+                };
                 *slot = Some(Claim::Won {
                     attempt: row.get(1),
-                    from: if from == "processing" {
-                        WonFrom::ExpiredLease
-                    } else {
-                        WonFrom::Failed
-                    },
-                    payload_mismatch: stored_sha
-                        .is_some_and(|stored| stored != requests[index].payload_sha256),
+                    from,
+                    payload_mismatch: differs(row.get(2), &requests[index].payload_sha256),
                 });
             }
         }
@@ -336,11 +333,10 @@ impl BatchRunner {
             let Some(&index) = unseen.get(ord) else {
                 continue;
             };
-            let stored_sha: Option<&[u8]> = row.get(2);
             claims[index] = Some(Ok(lost_claim(
                 row.get(1),
                 row.get(3),
-                stored_sha.is_some_and(|stored| stored != requests[index].payload_sha256),
+                differs(row.get(2), &requests[index].payload_sha256),
             )));
         }
     }
@@ -497,25 +493,24 @@ fn response_status(request: &SettleRequest) -> Option<i16> {
         .map(|status| i16::try_from(status).unwrap_or(i16::MAX))
 }
 
+/// A claim statement's row: the claim statement wins only by inserting,
+/// so a won key was new (taking back is `retake_round`'s).
 fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
-    let won: bool = row.get(1);
-    let attempt: i32 = row.get(2);
-    let stored_sha: Option<&[u8]> = row.get(3);
-    let prior_status: Option<&str> = row.get(4);
-    let age_seconds: f64 = row.get(5);
-    let payload_mismatch = stored_sha.is_some_and(|stored| stored != payload_sha256);
-    match (won, prior_status) {
-        (true, prior) => Claim::Won {
-            attempt,
-            from: match prior {
-                None if attempt == 1 => WonFrom::New,
-                Some("processing") => WonFrom::ExpiredLease,
-                _ => WonFrom::Failed,
-            },
+    let payload_mismatch = differs(row.get(3), payload_sha256);
+    if row.get::<_, bool>(1) {
+        Claim::Won {
+            attempt: row.get(2),
+            from: WonFrom::New,
             payload_mismatch,
-        },
-        (false, prior) => lost_claim(prior, age_seconds, payload_mismatch),
+        }
+    } else {
+        lost_claim(row.get(4), row.get(5), payload_mismatch)
     }
+}
+
+/// Whether the body stored with a key differs from this delivery's.
+fn differs(stored_sha: Option<&[u8]>, payload_sha256: &[u8; 32]) -> bool {
+    stored_sha.is_some_and(|stored| stored != payload_sha256)
 }
 
 /// A claim that did not win, by the status of the row that beat it.

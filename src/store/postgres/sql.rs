@@ -41,6 +41,21 @@ impl Statements {
             Some(schema) => format!("{}.{index}", sql_identifier(schema)),
             None => index.clone(),
         };
+        // Whether `row` may be taken back by a delivery with the body hash
+        // `sha`, where `reject` says its route rejects another body: the
+        // claim marks keys by it, and the take-back locks and updates only
+        // rows that still meet it.
+        let takeable = |row: &str, reject: &str, sha: &str| {
+            format!(
+                "({row}.status = 'failed'
+                  OR ({row}.status = 'processing' AND {row}.lease_expires_at <= now()))
+                 AND (NOT {reject} OR {row}.payload_sha256 IS NULL OR {row}.payload_sha256 = {sha})"
+            )
+        };
+        let prior_takeable = takeable("p", "i.reject_mismatch", "i.payload_sha256");
+        let prior_one_takeable = takeable("p", "$5", "$3");
+        let locked_takeable = takeable("e", "i.reject_mismatch", "i.payload_sha256");
+        let latest_takeable = takeable("e", "r.reject_mismatch", "r.payload_sha256");
         Self {
             table_regclass: table.clone(),
             index_regclass,
@@ -108,10 +123,7 @@ impl Statements {
                  SELECT i.ord, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
                         coalesce(extract(epoch FROM now() - p.received_at)::float8, 0),
-                        coalesce((p.status = 'failed'
-                                  OR (p.status = 'processing' AND p.lease_expires_at <= now()))
-                                 AND (NOT i.reject_mismatch OR p.payload_sha256 IS NULL
-                                      OR p.payload_sha256 = i.payload_sha256), false)
+                        coalesce({prior_takeable}, false)
                    FROM input i
                    LEFT JOIN inserted c USING (source, event_id)
                    LEFT JOIN prior p USING (ord)"
@@ -139,10 +151,7 @@ impl Statements {
                           i.reject_mismatch
                      FROM input i
                      JOIN {table} e ON e.source = i.source AND e.event_id = i.event_id
-                    WHERE (e.status = 'failed'
-                           OR (e.status = 'processing' AND e.lease_expires_at <= now()))
-                      AND (NOT i.reject_mismatch OR e.payload_sha256 IS NULL
-                           OR e.payload_sha256 = i.payload_sha256)
+                    WHERE {locked_takeable}
                     ORDER BY e.source COLLATE \"C\", e.event_id COLLATE \"C\"
                       FOR UPDATE OF e
                  )
@@ -151,11 +160,7 @@ impl Statements {
                         lease_expires_at = now() + r.lease_ms * interval '1 millisecond',
                         response_status = NULL, completed_at = NULL
                    FROM retakable r
-                  WHERE e.source = r.source AND e.event_id = r.event_id
-                    AND (e.status = 'failed'
-                         OR (e.status = 'processing' AND e.lease_expires_at <= now()))
-                    AND (NOT r.reject_mismatch OR e.payload_sha256 IS NULL
-                         OR e.payload_sha256 = r.payload_sha256)
+                  WHERE e.source = r.source AND e.event_id = r.event_id AND {latest_takeable}
                  RETURNING r.ord, e.attempts, e.payload_sha256, r.status"
             ),
             // Fenced per row: only the attempt that owns a key settles it.
@@ -186,10 +191,7 @@ impl Statements {
                  SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
                         coalesce(extract(epoch FROM now() - p.received_at)::float8, 0),
-                        coalesce((p.status = 'failed'
-                                  OR (p.status = 'processing' AND p.lease_expires_at <= now()))
-                                 AND (NOT $5 OR p.payload_sha256 IS NULL OR p.payload_sha256 = $3),
-                                 false)
+                        coalesce({prior_one_takeable}, false)
                    FROM (SELECT 1) one
                    LEFT JOIN inserted c ON true
                    LEFT JOIN prior p ON true"
