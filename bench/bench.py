@@ -711,12 +711,22 @@ class Bench:
         then the settle, a duplicate the claim alone; and, for duplicates, the
         bare INSERT."""
         source = (ROOT / STATEMENTS).read_text()
+        # The statements share SQL fragments made by the `takeable` closure.
+        template = re.search(r"let takeable = \|row: &str, reject: &str, sha: &str\| \{\s*format!\(\s*\"(.*?)\"\s*\)",
+                             source, re.S)
+        fragments = {"table": "processed_events"}
+        for name, row, reject, sha in re.findall(r'let (\w+) = takeable\("(.*?)", "(.*?)", "(.*?)"\);', source):
+            if not template:
+                raise BenchError(f"no `takeable` fragment in {STATEMENTS}")
+            fragments[name] = template.group(1).replace("{row}", row).replace("{reject}", reject).replace("{sha}", sha)
         statements = {}
         for name, params in PGBENCH_PARAMS.items():
             m = re.search(rf"\b{name}: format!\(\s*\"(.*?)\"\s*\)", source, re.S)
             if not m:
                 raise BenchError(f"no `{name}` statement in {STATEMENTS}")
-            sql = m.group(1).replace("{table}", "processed_events")
+            sql = re.sub(r"\{(\w+)\}", lambda f: fragments.get(f.group(1), f.group(0)), m.group(1))
+            if re.search(r"\{\w*\}", sql):
+                raise BenchError(f"`{name}` in {STATEMENTS} uses a fragment the benchmark cannot fill in: {sql}")
             for i, var in reversed(list(enumerate(params, 1))):
                 sql = sql.replace(f"${i}", f":{var}")
             statements[name] = " ".join(sql.split()) + ";\n"

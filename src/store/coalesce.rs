@@ -4,11 +4,14 @@
 //! load a batch is one request and nothing waits; under load the database
 //! does far more work per round trip and per commit. A batch that stays at
 //! the database too long (waiting on a row another transaction holds) no
-//! longer holds back the next. Owns the queue and the fan-out of results;
-//! what a batch means is up to the `run` function it is given.
+//! longer holds back the next. While batches come back read-only (a burst of
+//! duplicates), the next may be sent right behind the one at the database, on
+//! its connection. Owns the queue and the fan-out of results; what a batch
+//! means is up to the `run` function it is given.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -31,7 +34,33 @@ pub struct Limits {
     pub max_batch: usize,
     /// How long a batch runs alone before the next may go out beside it.
     pub stalled_after: Duration,
+    /// Most batches sent behind the one running alone while the last batch
+    /// to come back was read-only.
+    pub behind: usize,
 }
+
+/// How a batch goes out, which says which connection it may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// The one batch at the database in the normal course.
+    Alone,
+    /// Right behind the batch running alone, pipelined on its connection:
+    /// the database runs it as soon as that one is done, with no round trip
+    /// in between.
+    Behind,
+    /// Beside a batch that has stalled, on a connection of its own.
+    Beside,
+}
+
+/// A batch's result for one request.
+pub trait Outcome {
+    /// Whether the database wrote nothing for it.
+    fn read_only(&self) -> bool {
+        false
+    }
+}
+
+impl Outcome for bool {}
 
 /// A handle to a coalescing queue; cheap to clone.
 pub struct Coalescer<Request, Response> {
@@ -49,17 +78,19 @@ impl<Request, Response> Clone for Coalescer<Request, Response> {
 impl<Request, Response> Coalescer<Request, Response>
 where
     Request: Send + 'static,
-    Response: Send + 'static,
+    Response: Outcome + Send + 'static,
 {
     /// Starts the dispatcher. Batches of at most `limits.max_batch` requests
     /// run one at a time, and up to `limits.in_flight` at once (one per
     /// connection) while the oldest has been running for `limits.stalled_after`
-    /// or longer. `run` gets the batch's requests and returns one result per
-    /// request, in order; a batch that fails as a whole fails its own requests
-    /// and no other.
+    /// or longer. While the last batch to come back was read-only, up to
+    /// `limits.behind` more go out behind the one running alone. `run` gets
+    /// the batch's requests and its lane and returns one result per request,
+    /// in order; a batch that fails as a whole fails its own requests and no
+    /// other.
     pub fn start<Run, Fut>(limits: Limits, run: Run) -> Self
     where
-        Run: Fn(Vec<Request>) -> Fut + Send + Sync + 'static,
+        Run: Fn(Vec<Request>, Lane) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<Result<Response, StoreError>>> + Send + 'static,
     {
         let (queue, jobs) = mpsc::unbounded_channel();
@@ -105,8 +136,8 @@ async fn dispatch<Request, Response, Run, Fut>(
     run: Run,
 ) where
     Request: Send + 'static,
-    Response: Send + 'static,
-    Run: Fn(Vec<Request>) -> Fut + Send + Sync + 'static,
+    Response: Outcome + Send + 'static,
+    Run: Fn(Vec<Request>, Lane) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Vec<Result<Response, StoreError>>> + Send + 'static,
 {
     // One batch at a time is the fastest way through the database: a second
@@ -115,8 +146,15 @@ async fn dispatch<Request, Response, Run, Fut>(
     // two or more batches always allowed out). The other slots are for a
     // batch stuck behind a row lock, so that the requests queued behind it
     // are not stuck too.
+    //
+    // A read-only batch commits nothing to wait for, so batches sent behind
+    // it cost no one a longer commit; while the last batch to come back was
+    // read-only, the next goes out at once, behind the one running alone
+    // (not behind one that has stalled).
     let alone = Arc::new(Semaphore::new(1));
+    let behind = Arc::new(Semaphore::new(limits.behind));
     let beside = Arc::new(Semaphore::new(limits.in_flight.max(1) - 1));
+    let read_only = Arc::new(AtomicBool::new(false));
     let max_batch = limits.max_batch.max(1);
     let mut alone_since = Instant::now();
     let run = Arc::new(run);
@@ -124,13 +162,16 @@ async fn dispatch<Request, Response, Run, Fut>(
         let Some(first) = jobs.recv().await else {
             return;
         };
-        let slot = tokio::select! {
+        let stalled_at = alone_since + limits.stalled_after;
+        let behind_open = read_only.load(Ordering::Relaxed) && Instant::now() < stalled_at;
+        let (slot, lane) = tokio::select! {
             biased;
             slot = Arc::clone(&alone).acquire_owned() => {
                 alone_since = Instant::now();
-                slot
+                (slot, Lane::Alone)
             }
-            slot = beside_a_stalled_batch(&beside, alone_since + limits.stalled_after) => slot,
+            slot = Arc::clone(&behind).acquire_owned(), if behind_open => (slot, Lane::Behind),
+            slot = beside_a_stalled_batch(&beside, stalled_at) => (slot, Lane::Beside),
         };
         let Ok(slot) = slot else {
             return;
@@ -144,14 +185,14 @@ async fn dispatch<Request, Response, Run, Fut>(
             }
         }
         let run = Arc::clone(&run);
+        let read_only = Arc::clone(&read_only);
         tokio::spawn(async move {
             let (requests, replies): (Vec<_>, Vec<_>) = batch
                 .into_iter()
                 .map(|job| (job.request, job.reply))
                 .unzip();
             let expected = requests.len();
-            let mut results = run(requests).await;
-            drop(slot);
+            let mut results = run(requests, lane).await;
             if results.len() != expected {
                 let error = StoreError::Postgres(format!(
                     "a batch of {expected} returned {} results",
@@ -159,6 +200,13 @@ async fn dispatch<Request, Response, Run, Fut>(
                 ));
                 results = (0..expected).map(|_| Err(error.clone())).collect();
             }
+            read_only.store(
+                results
+                    .iter()
+                    .all(|result| result.as_ref().is_ok_and(Outcome::read_only)),
+                Ordering::Relaxed,
+            );
+            drop(slot);
             for (reply, result) in replies.into_iter().zip(results) {
                 let _ = reply.send(result);
             }
@@ -173,44 +221,69 @@ mod tests {
 
     use super::*;
 
+    impl Outcome for u32 {}
+
     fn one_at_a_time(max_batch: usize) -> Limits {
         Limits {
             in_flight: 1,
             max_batch,
             stalled_after: Duration::from_millis(10),
+            behind: 0,
+        }
+    }
+
+    /// A gated batch's result: its first request, and whether the test said
+    /// it wrote nothing.
+    struct Ran {
+        n: u32,
+        read_only: bool,
+    }
+
+    impl Outcome for Ran {
+        fn read_only(&self) -> bool {
+            self.read_only
         }
     }
 
     /// Runs each batch until the test lets it finish, and tells the test
-    /// which batch (its first request) has started.
+    /// which batch (its first request) has started, and in which lane.
     struct Gated {
-        started: mpsc::UnboundedReceiver<u32>,
-        finish: HashMap<u32, oneshot::Sender<()>>,
-        queue: Coalescer<(u32, oneshot::Receiver<()>), u32>,
+        started: mpsc::UnboundedReceiver<(u32, Lane)>,
+        lanes: HashMap<u32, Lane>,
+        finish: HashMap<u32, oneshot::Sender<bool>>,
+        queue: Coalescer<(u32, oneshot::Receiver<bool>), Ran>,
     }
 
     impl Gated {
         fn start(in_flight: usize, stalled_after: Duration) -> Self {
+            Self::with_behind(in_flight, stalled_after, 0)
+        }
+
+        fn with_behind(in_flight: usize, stalled_after: Duration, behind: usize) -> Self {
             let (started_tx, started) = mpsc::unbounded_channel();
             let limits = Limits {
                 in_flight,
                 max_batch: 1,
                 stalled_after,
+                behind,
             };
-            let queue =
-                Coalescer::start(limits, move |batch: Vec<(u32, oneshot::Receiver<()>)>| {
-                    started_tx.send(batch[0].0).unwrap();
+            let queue = Coalescer::start(
+                limits,
+                move |batch: Vec<(u32, oneshot::Receiver<bool>)>, lane| {
+                    started_tx.send((batch[0].0, lane)).unwrap();
                     async move {
                         let mut results = Vec::new();
                         for (n, gate) in batch {
-                            let _ = gate.await;
-                            results.push(Ok(n));
+                            let read_only = gate.await.unwrap_or(false);
+                            results.push(Ok(Ran { n, read_only }));
                         }
                         results
                     }
-                });
+                },
+            );
             Self {
                 started,
+                lanes: HashMap::new(),
                 finish: HashMap::new(),
                 queue,
             }
@@ -220,16 +293,22 @@ mod tests {
             let (finish, gate) = oneshot::channel();
             self.finish.insert(n, finish);
             let queue = self.queue.clone();
-            tokio::spawn(async move { queue.call((n, gate)).await.unwrap() })
+            tokio::spawn(async move { queue.call((n, gate)).await.unwrap().n })
         }
 
         /// The next batch to start. Bounded, so that a batch that never
         /// starts fails the test instead of hanging it: on a paused clock
         /// the bound passes as soon as nothing else can run.
         async fn next_started(&mut self) -> Option<u32> {
-            tokio::time::timeout(Duration::from_secs(86_400), self.started.recv())
+            let (n, lane) = tokio::time::timeout(Duration::from_secs(86_400), self.started.recv())
                 .await
-                .expect("a batch started")
+                .expect("a batch started")?;
+            self.lanes.insert(n, lane);
+            Some(n)
+        }
+
+        fn lane(&self, n: u32) -> Lane {
+            self.lanes[&n]
         }
 
         /// Checks that no batch starts for a minute. Paused, the clock jumps
@@ -240,9 +319,66 @@ mod tests {
             assert!(self.started.try_recv().is_err(), "{why}");
         }
 
+        /// Lets batch `n` finish, having written.
         fn finish(&mut self, n: u32) {
-            self.finish.remove(&n).unwrap().send(()).unwrap();
+            self.finish.remove(&n).unwrap().send(false).unwrap();
         }
+
+        /// Lets batch `n` finish, having written nothing.
+        fn finish_read_only(&mut self, n: u32) {
+            self.finish.remove(&n).unwrap().send(true).unwrap();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn while_batches_come_back_read_only_the_next_goes_out_behind_the_one_running() {
+        let mut gated = Gated::with_behind(1, Duration::from_secs(3600), 1);
+        let wrote = gated.call(0);
+        assert_eq!(gated.next_started().await, Some(0));
+        gated.finish(0);
+        assert_eq!(wrote.await.unwrap(), 0);
+        let running = gated.call(1);
+        assert_eq!(gated.next_started().await, Some(1));
+        let waiting = gated.call(2);
+        gated
+            .assert_none_starts("after a batch that wrote, the next waits")
+            .await;
+        gated.finish_read_only(1);
+        assert_eq!(running.await.unwrap(), 1);
+        assert_eq!(gated.next_started().await, Some(2));
+        assert_eq!(gated.lane(2), Lane::Alone);
+        let behind = gated.call(3);
+        assert_eq!(gated.next_started().await, Some(3));
+        assert_eq!(gated.lane(3), Lane::Behind);
+        let fourth = gated.call(4);
+        gated.assert_none_starts("one batch behind at most").await;
+        gated.finish_read_only(3);
+        assert_eq!(behind.await.unwrap(), 3);
+        assert_eq!(gated.next_started().await, Some(4));
+        assert_eq!(gated.lane(4), Lane::Behind);
+        gated.finish_read_only(4);
+        gated.finish_read_only(2);
+        assert_eq!(fourth.await.unwrap(), 4);
+        assert_eq!(waiting.await.unwrap(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_goes_behind_a_stalled_batch() {
+        let mut gated = Gated::with_behind(2, Duration::from_millis(20), 1);
+        let read_only = gated.call(0);
+        assert_eq!(gated.next_started().await, Some(0));
+        gated.finish_read_only(0);
+        assert_eq!(read_only.await.unwrap(), 0);
+        let stalled = gated.call(1);
+        assert_eq!(gated.next_started().await, Some(1));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let next = gated.call(2);
+        assert_eq!(gated.next_started().await, Some(2));
+        assert_eq!(gated.lane(2), Lane::Beside);
+        gated.finish(2);
+        gated.finish(1);
+        assert_eq!(next.await.unwrap(), 2);
+        assert_eq!(stalled.await.unwrap(), 1);
     }
 
     #[tokio::test(start_paused = true)]
@@ -302,7 +438,7 @@ mod tests {
     async fn results_go_back_in_order_and_batches_grow_under_load() {
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&sizes);
-        let doubler = Coalescer::start(one_at_a_time(8), move |batch: Vec<u32>| {
+        let doubler = Coalescer::start(one_at_a_time(8), move |batch: Vec<u32>, _lane| {
             seen.lock().unwrap().push(batch.len());
             async move {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -330,7 +466,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_request_fails_alone() {
-        let flaky = Coalescer::start(one_at_a_time(4), |batch: Vec<u32>| async move {
+        let flaky = Coalescer::start(one_at_a_time(4), |batch: Vec<u32>, _lane| async move {
             batch
                 .into_iter()
                 .map(|n| match n {
@@ -346,7 +482,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_wrong_number_of_results_is_an_error_not_a_mismatch() {
-        let broken = Coalescer::start(one_at_a_time(4), |_batch: Vec<u32>| async move {
+        let broken = Coalescer::start(one_at_a_time(4), |_batch: Vec<u32>, _lane| async move {
             Vec::<Result<u32, _>>::new()
         });
         assert!(broken.call(1).await.is_err());

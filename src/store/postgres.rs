@@ -12,7 +12,7 @@ mod keys;
 mod sql;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
@@ -39,9 +39,15 @@ pub struct PostgresStore {
     home: Home,
 }
 
+/// A pooled connection, given back to the pool when dropped.
+type Connection = deadpool_postgres::Object;
+
 /// The pool and how statements are sent through it, shared with the batches.
 struct Session {
     pool: Pool,
+    /// The connection of the claim batches at the database, while any is;
+    /// it goes back to the pool with the last of them.
+    pipeline: Mutex<Weak<Connection>>,
     statement_cache: bool,
     /// Set when named statements turned out not to survive the way to the
     /// server; every statement is unnamed from then on.
@@ -83,6 +89,7 @@ impl PostgresStore {
         Ok(Self {
             session: Arc::new(Session {
                 pool,
+                pipeline: Mutex::new(Weak::new()),
                 statement_cache: config.statement_cache,
                 named_statements_lost: AtomicBool::new(false),
                 growth: Growth::new(),
@@ -134,11 +141,44 @@ impl Session {
             .map_err(|error| StoreError::Postgres(error_chain(&error)))
     }
 
-    /// Runs a claim or settle statement: a cached named statement, or with
-    /// `statement_cache: false` (or once named statements were lost) an
-    /// unnamed one.
+    /// The connection claim batches are pipelined on: the one the batches
+    /// still at the database use, or, when none is, a new one from the pool.
+    async fn pipeline(&self) -> Result<Arc<Connection>, StoreError> {
+        let shared = self
+            .pipeline
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .upgrade();
+        if let Some(connection) = shared.filter(|connection| !connection.is_closed()) {
+            return Ok(connection);
+        }
+        let connection = Arc::new(self.client().await?);
+        *self.pipeline.lock().unwrap_or_else(PoisonError::into_inner) = Arc::downgrade(&connection);
+        Ok(connection)
+    }
+
+    /// Pipelines no more claims on `connection` (if they still go to it).
+    fn withdraw(&self, connection: &Arc<Connection>) {
+        let mut pipeline = self.pipeline.lock().unwrap_or_else(PoisonError::into_inner);
+        if std::ptr::eq(pipeline.as_ptr(), Arc::as_ptr(connection)) {
+            *pipeline = Weak::new();
+        }
+    }
+
+    /// Runs a claim or settle statement on a connection from the pool.
     async fn query(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
-        let client = self.client().await?;
+        self.query_on(&self.client().await?, sql, params).await
+    }
+
+    /// Runs a claim or settle statement on `client`: a cached named
+    /// statement, or with `statement_cache: false` (or once named statements
+    /// were lost) an unnamed one.
+    async fn query_on(
+        &self,
+        client: &Connection,
+        sql: &str,
+        params: &Params<'_>,
+    ) -> Result<Vec<Row>, StoreError> {
         if self.named_statements() {
             let named = async {
                 let statement = client.prepare_typed_cached(sql, &types(params)).await?;

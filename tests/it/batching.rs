@@ -598,6 +598,56 @@ async fn claims_behind_a_batch_waiting_on_a_row_lock_still_go_out() {
     ));
 }
 
+/// While claims come back read-only (duplicates), the next batches are
+/// pipelined on the connection of those still at the database. A batch that
+/// then takes a key back, and waits on its row lock, first takes its
+/// connection out of the pipeline: the claims sent after it go out on
+/// another connection and are decided while it still waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    let done = Settlement {
+        status: SettledStatus::Done,
+        response_status: Some(200),
+    };
+    for (key, outcome) in [("done", done), ("failed", Settlement::RELEASED)] {
+        let claim = store.claim(&request(key)).await.unwrap();
+        assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{key}");
+        assert!(store.settle("src", key, 1, outcome).await.unwrap(), "{key}");
+    }
+    assert!(
+        matches!(
+            store.claim(&request("done")).await.unwrap(),
+            Claim::Done { .. }
+        ),
+        "a read-only batch came back"
+    );
+    let mut holder = test_store.postgres().await;
+    let hold = lock_key(&mut holder, "failed").await;
+    let taking_back = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("failed")).await }
+    });
+    let observer = test_store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+
+    let free = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("free")))
+        .await
+        .expect("a key nobody holds is claimed while the take-back waits");
+    assert!(matches!(free.unwrap(), Claim::Won { attempt: 1, .. }));
+    assert!(!taking_back.is_finished());
+    hold.commit().await.unwrap();
+    assert!(matches!(
+        taking_back.await.unwrap().unwrap(),
+        Claim::Won {
+            attempt: 2,
+            from: WonFrom::Failed,
+            ..
+        }
+    ));
+}
+
 /// A claim answered `store.timeout` is still decided once its statement
 /// runs; when it wins, nobody forwards it, so it is released at once instead
 /// of holding the key `processing` (and the sender's retries `in-flight`)
@@ -715,7 +765,7 @@ async fn until_waiting_on_locks(observer: &tokio_postgres::Client, waiters: i64)
         if rows.len() as i64 >= waiters {
             return rows.iter().map(|row| row.get(0)).collect();
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 

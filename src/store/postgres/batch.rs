@@ -12,8 +12,8 @@ use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::sql::Statements;
-use super::{Params, Session, postgres_error};
-use crate::store::coalesce::{Coalescer, Limits};
+use super::{Connection, Params, Session, postgres_error};
+use crate::store::coalesce::{Coalescer, Lane, Limits, Outcome};
 use crate::store::{Claim, ClaimRequest, Settlement, StoreError, WonFrom};
 
 /// The coalescing queues, started on first use (they need a runtime).
@@ -34,12 +34,13 @@ pub(super) struct SettleRequest {
 const MAX_BATCH: usize = 256;
 
 /// Claim statements (and, separately, settle statements) one replica runs at
-/// once at most. Normally one: while it is at the database, everything
-/// arriving queues for the next, so under load the database runs one
-/// statement and one commit for dozens of keys instead of one each, and
-/// spends its CPU on rows rather than on round trips. Under light load a
-/// request still finds the slot free and goes out alone. The second slot
-/// opens only for [`STALLED_AFTER`].
+/// once on connections of their own, at most; batches pipelined behind one
+/// share its connection ([`CLAIMS_BEHIND`]). Normally one: while it is at
+/// the database, everything arriving queues for the next, so under load the
+/// database runs one statement and one commit for dozens of keys instead of
+/// one each, and spends its CPU on rows rather than on round trips. Under
+/// light load a request still finds the slot free and goes out alone. The
+/// second slot opens only for [`STALLED_AFTER`].
 const BATCHES_IN_FLIGHT: usize = 2;
 
 /// How long a batch may be at the database before the next goes out beside
@@ -49,22 +50,37 @@ const BATCHES_IN_FLIGHT: usize = 2;
 /// holds, delays the claims queued behind it by no more than this.
 const STALLED_AFTER: Duration = Duration::from_millis(20);
 
+/// Claim batches sent behind the one at the database while claims come back
+/// read-only (see `Lane::Behind`).
+const CLAIMS_BEHIND: usize = 2;
+
 impl Batches {
     /// Starts the claim and settle queues on the current runtime.
     pub(super) fn start(session: &Arc<Session>, sql: &Arc<Statements>) -> Self {
-        let limits = Limits {
+        let settle_limits = Limits {
             in_flight: BATCHES_IN_FLIGHT.min(session.pool.status().max_size),
             max_batch: MAX_BATCH,
             stalled_after: STALLED_AFTER,
+            behind: 0,
+        };
+        // The pipeline holds one connection for as long as batches overlap;
+        // a small pool keeps it for the stalled batch's slot and the settles.
+        let pipelining = session.pool.status().max_size >= BATCHES_IN_FLIGHT + 2;
+        let claim_limits = Limits {
+            behind: if pipelining { CLAIMS_BEHIND } else { 0 },
+            ..settle_limits
         };
         let runner = BatchRunner {
             session: Arc::clone(session),
             sql: Arc::clone(sql),
+            connection: None,
         };
         let settle_runner = runner.clone();
         Self {
-            claims: Coalescer::start(limits, move |batch| runner.clone().claim_batch(batch)),
-            settles: Coalescer::start(limits, move |batch| {
+            claims: Coalescer::start(claim_limits, move |batch, lane| {
+                runner.clone().claim_batch(batch, lane)
+            }),
+            settles: Coalescer::start(settle_limits, move |batch, _lane| {
                 settle_runner.clone().settle_batch(batch)
             }),
         }
@@ -115,18 +131,47 @@ impl Growth {
     }
 }
 
+impl Outcome for Claim {
+    fn read_only(&self) -> bool {
+        !matches!(self, Claim::Won { .. })
+    }
+}
+
 /// What a batch needs of the store, owned so batches can run on their own.
 #[derive(Clone)]
 struct BatchRunner {
     session: Arc<Session>,
     sql: Arc<Statements>,
+    /// The connection the batch's statements go to; without one, each takes
+    /// a connection from the pool.
+    connection: Option<Arc<Connection>>,
 }
 
 impl BatchRunner {
     /// Claims a batch. A key queued twice is claimed again in a later round,
     /// after the first claim's outcome is committed, since one statement
     /// cannot decide the same key twice.
-    async fn claim_batch(self, requests: Vec<ClaimRequest>) -> Vec<Result<Claim, StoreError>> {
+    ///
+    /// A batch goes to the connection of the claim batches still at the
+    /// database, pipelined behind them (see `Lane::Behind`), or to a new one
+    /// when none is; under a load of new keys one batch is out at a time, so
+    /// each takes a connection from the pool. A batch beside a stalled one
+    /// takes its own.
+    async fn claim_batch(
+        mut self,
+        requests: Vec<ClaimRequest>,
+        lane: Lane,
+    ) -> Vec<Result<Claim, StoreError>> {
+        if lane != Lane::Beside {
+            match self.session.pipeline().await {
+                Ok(connection) => self.connection = Some(connection),
+                Err(error) => return vec![Err(error); requests.len()],
+            }
+        }
+        self.claim_rounds(&requests).await
+    }
+
+    async fn claim_rounds(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
         let mut claims: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
         let mut pending: Vec<usize> = (0..requests.len()).collect();
         while !pending.is_empty() {
@@ -157,9 +202,22 @@ impl BatchRunner {
             })
             .count();
         if inserted > 0 && self.session.growth.add(inserted as u64) {
-            tokio::spawn(self.analyze());
+            let runner = BatchRunner {
+                connection: None,
+                ..self.clone()
+            };
+            tokio::spawn(runner.analyze());
         }
         claims
+    }
+
+    /// Runs a claim or settle statement on the batch's connection, or on one
+    /// from the pool.
+    async fn query(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
+        match &self.connection {
+            Some(connection) => self.session.query_on(connection, sql, params).await,
+            None => self.session.query(sql, params).await,
+        }
     }
 
     /// Refreshes the table's statistics, so that every connection's cached
@@ -216,15 +274,14 @@ impl BatchRunner {
                     (&lease_ms(one), Type::INT8),
                     (&one.reject_mismatch, Type::BOOL),
                 ];
-                self.session.query(&self.sql.claim_one, params).await?
+                self.query(&self.sql.claim_one, params).await?
             }
             _ => {
                 let columns = ClaimColumns::of(requests);
-                self.session
-                    .query(&self.sql.claim, &columns.params())
-                    .await?
+                self.query(&self.sql.claim, &columns.params()).await?
             }
         };
+
         let mut claims = vec![None; requests.len()];
         let mut unseen = Vec::new();
         let mut retakable = Vec::new();
@@ -266,6 +323,11 @@ impl BatchRunner {
         retakable: &[usize],
         claims: &mut [Option<Result<Claim, StoreError>>],
     ) {
+        // Its row locks may wait on another transaction, and claims sent
+        // behind it would wait too: later batches go to another connection.
+        if let Some(connection) = &self.connection {
+            self.session.withdraw(connection);
+        }
         let take_backs: Vec<TakeBack<'_>> =
             retakable.iter().map(|&i| TakeBack(requests[i])).collect();
         let take_backs: Vec<&TakeBack<'_>> = take_backs.iter().collect();
@@ -284,10 +346,7 @@ impl BatchRunner {
     ) -> Result<Vec<Option<Claim>>, StoreError> {
         let requests: Vec<&ClaimRequest> = take_backs.iter().map(|take_back| take_back.0).collect();
         let columns = ClaimColumns::of(&requests);
-        let rows = self
-            .session
-            .query(&self.sql.retake, &columns.params())
-            .await?;
+        let rows = self.query(&self.sql.retake, &columns.params()).await?;
         let mut taken = vec![None; requests.len()];
         for row in &rows {
             let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
@@ -321,7 +380,7 @@ impl BatchRunner {
         let sources: Vec<&str> = unseen.iter().map(|&i| &*requests[i].source).collect();
         let keys: Vec<&str> = unseen.iter().map(|&i| requests[i].key.as_str()).collect();
         let params: &Params<'_> = &[(&sources, Type::TEXT_ARRAY), (&keys, Type::TEXT_ARRAY)];
-        let rows = match self.session.query(&self.sql.recheck, params).await {
+        let rows = match self.query(&self.sql.recheck, params).await {
             Ok(rows) => rows,
             Err(error) => {
                 tracing::warn!(%error, "cannot re-read keys claimed concurrently; answered in flight without comparing their bodies");
@@ -371,7 +430,7 @@ impl BatchRunner {
                     (&one.settlement.status.as_str(), Type::TEXT),
                     (&response_status(one), Type::INT2),
                 ];
-                self.session.query(&self.sql.settle_one, params).await?
+                self.query(&self.sql.settle_one, params).await?
             }
             _ => {
                 let sources: Vec<&str> = requests.iter().map(|r| r.source.as_str()).collect();
@@ -390,7 +449,7 @@ impl BatchRunner {
                     (&statuses, Type::TEXT_ARRAY),
                     (&response_statuses, Type::INT2_ARRAY),
                 ];
-                self.session.query(&self.sql.settle, params).await?
+                self.query(&self.sql.settle, params).await?
             }
         };
         let mut settled = vec![false; requests.len()];
