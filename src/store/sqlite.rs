@@ -119,15 +119,24 @@ impl SqliteStore {
     /// directory is missing too).
     pub fn open_with(path: &str, config: &StoreConfig, create: bool) -> Result<Self, StoreError> {
         if !create && !Path::new(path).exists() {
-            // Start-up would create the file, but not its directory.
-            return match Path::new(path).parent() {
-                Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => {
-                    Err(StoreError::Sqlite(format!(
-                        "cannot open {path}: {} is not a directory",
-                        dir.display()
-                    )))
-                }
-                _ => Err(StoreError::MissingTable),
+            // Start-up would create the file, but not its directory, nor a
+            // file in a directory it may not write to.
+            let dir = match Path::new(path).parent() {
+                Some(dir) if !dir.as_os_str().is_empty() => dir,
+                _ => Path::new("."),
+            };
+            if !dir.is_dir() {
+                return Err(StoreError::Sqlite(format!(
+                    "cannot open {path}: {} is not a directory",
+                    dir.display()
+                )));
+            }
+            return match can_create_in(dir) {
+                Ok(()) => Err(StoreError::MissingTable),
+                Err(error) => Err(StoreError::Sqlite(format!(
+                    "cannot create {path}: {error} (in {})",
+                    dir.display()
+                ))),
             };
         }
         if config.table.contains('.') {
@@ -281,6 +290,18 @@ fn sqlite_error(error: rusqlite::Error) -> StoreError {
         }
         _ => StoreError::Sqlite(error.to_string()),
     }
+}
+
+/// Whether a file can be created in `dir`, found by creating one (and
+/// removing it): permissions, a read-only mount and a full quota all count,
+/// whoever the process runs as.
+fn can_create_in(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(format!(".dedupe-proxy-check-{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)?;
+    std::fs::remove_file(&probe)
 }
 
 fn open_connection(

@@ -416,6 +416,15 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
     let out = run(&["check-config", "--connect"], Some(&config), &[]);
     assert_eq!(out.code, 1, "{}", out.stderr);
     assert!(out.stderr.contains("is not a directory"), "{}", out.stderr);
+    // Nobody may create a file in /sys, root included.
+    let config = config.replace(&missing_dir, "sqlite:///sys/fresh.db");
+    let out = run(&["check-config", "--connect"], Some(&config), &[]);
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("cannot create /sys/fresh.db"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[tokio::test]
