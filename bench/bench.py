@@ -714,10 +714,11 @@ class Bench:
         # The statements share SQL fragments made by the `takeable` closure.
         template = re.search(r"let takeable = \|row: &str, reject: &str, sha: &str\| \{\s*format!\(\s*\"(.*?)\"\s*\)",
                              source, re.S)
+        uses = re.findall(r'let (\w+) = takeable\("(.*?)", "(.*?)", "(.*?)"\);', source)
+        if uses and not template:
+            raise BenchError(f"no `takeable` fragment in {STATEMENTS}")
         fragments = {"table": "processed_events"}
-        for name, row, reject, sha in re.findall(r'let (\w+) = takeable\("(.*?)", "(.*?)", "(.*?)"\);', source):
-            if not template:
-                raise BenchError(f"no `takeable` fragment in {STATEMENTS}")
+        for name, row, reject, sha in uses:
             fragments[name] = template.group(1).replace("{row}", row).replace("{reject}", reject).replace("{sha}", sha)
         statements = {}
         for name, params in PGBENCH_PARAMS.items():

@@ -12,7 +12,7 @@ mod keys;
 mod sql;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
@@ -144,25 +144,25 @@ impl Session {
     /// The connection claim batches are pipelined on: the one the batches
     /// still at the database use, or, when none is, a new one from the pool.
     async fn pipeline(&self) -> Result<Arc<Connection>, StoreError> {
-        let shared = self
-            .pipeline
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .upgrade();
+        let shared = self.pipeline_slot().upgrade();
         if let Some(connection) = shared.filter(|connection| !connection.is_closed()) {
             return Ok(connection);
         }
         let connection = Arc::new(self.client().await?);
-        *self.pipeline.lock().unwrap_or_else(PoisonError::into_inner) = Arc::downgrade(&connection);
+        *self.pipeline_slot() = Arc::downgrade(&connection);
         Ok(connection)
     }
 
     /// Pipelines no more claims on `connection` (if they still go to it).
     fn withdraw(&self, connection: &Arc<Connection>) {
-        let mut pipeline = self.pipeline.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pipeline = self.pipeline_slot();
         if std::ptr::eq(pipeline.as_ptr(), Arc::as_ptr(connection)) {
             *pipeline = Weak::new();
         }
+    }
+
+    fn pipeline_slot(&self) -> MutexGuard<'_, Weak<Connection>> {
+        self.pipeline.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Runs a claim or settle statement on a connection from the pool.

@@ -586,10 +586,7 @@ async fn claims_behind_a_batch_waiting_on_a_row_lock_still_go_out() {
         claim_behind_uncommitted_insert(&test_store, &store, &mut other_replica, "held").await;
     // Held back until the other batch's lock is released, the claim would
     // end in `store.timeout` instead.
-    let free = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("free")))
-        .await
-        .expect("a key nobody holds is claimed while the other batch waits");
-    assert!(matches!(free.unwrap(), Claim::Won { attempt: 1, .. }));
+    claim_a_free_key(&store, "the other batch waits").await;
     assert!(!held.is_finished());
     insert.commit().await.unwrap();
     assert!(matches!(
@@ -632,10 +629,7 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     let observer = test_store.postgres().await;
     until_waiting_on_locks(&observer, 1).await;
 
-    let free = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("free")))
-        .await
-        .expect("a key nobody holds is claimed while the take-back waits");
-    assert!(matches!(free.unwrap(), Claim::Won { attempt: 1, .. }));
+    claim_a_free_key(&store, "the take-back waits").await;
     assert!(!taking_back.is_finished());
     hold.commit().await.unwrap();
     assert!(matches!(
@@ -693,6 +687,15 @@ async fn a_claim_that_times_out_and_then_wins_is_released() {
         ),
         "the sender's retry takes the key over"
     );
+}
+
+/// Claims a key nobody holds, and checks that it is won while `waiting`
+/// (bounded: a claim held back behind the waiting one fails the test).
+async fn claim_a_free_key(store: &Store, waiting: &str) {
+    let free = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("free")))
+        .await
+        .unwrap_or_else(|_| panic!("a key nobody holds is claimed while {waiting}"));
+    assert!(matches!(free.unwrap(), Claim::Won { attempt: 1, .. }));
 }
 
 /// Locks the row of `src`/`key` in a transaction left open.

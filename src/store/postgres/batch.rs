@@ -57,15 +57,16 @@ const CLAIMS_BEHIND: usize = 2;
 impl Batches {
     /// Starts the claim and settle queues on the current runtime.
     pub(super) fn start(session: &Arc<Session>, sql: &Arc<Statements>) -> Self {
+        let pool_size = session.pool.status().max_size;
         let settle_limits = Limits {
-            in_flight: BATCHES_IN_FLIGHT.min(session.pool.status().max_size),
+            in_flight: BATCHES_IN_FLIGHT.min(pool_size),
             max_batch: MAX_BATCH,
             stalled_after: STALLED_AFTER,
             behind: 0,
         };
         // The pipeline holds one connection for as long as batches overlap;
         // a small pool keeps it for the stalled batch's slot and the settles.
-        let pipelining = session.pool.status().max_size >= BATCHES_IN_FLIGHT + 2;
+        let pipelining = pool_size >= BATCHES_IN_FLIGHT + 2;
         let claim_limits = Limits {
             behind: if pipelining { CLAIMS_BEHIND } else { 0 },
             ..settle_limits
@@ -202,11 +203,7 @@ impl BatchRunner {
             })
             .count();
         if inserted > 0 && self.session.growth.add(inserted as u64) {
-            let runner = BatchRunner {
-                connection: None,
-                ..self.clone()
-            };
-            tokio::spawn(runner.analyze());
+            tokio::spawn(analyze(Arc::clone(&self.session), Arc::clone(&self.sql)));
         }
         claims
     }
@@ -217,25 +214,6 @@ impl BatchRunner {
         match &self.connection {
             Some(connection) => self.session.query_on(connection, sql, params).await,
             None => self.session.query(sql, params).await,
-        }
-    }
-
-    /// Refreshes the table's statistics, so that every connection's cached
-    /// plans are made again for the table as it now is (see `Growth`). A
-    /// failure (the proxy's user may not own the table) costs only that.
-    async fn analyze(self) {
-        let analyzed = async {
-            let client = self.session.client().await?;
-            client
-                .batch_execute(&self.sql.analyze)
-                .await
-                .map_err(postgres_error)
-        };
-        match analyzed.await {
-            Ok(()) => tracing::debug!("analyzed the claims table as it grew"),
-            Err(error) => {
-                tracing::warn!(%error, "cannot analyze the claims table; with autovacuum off, its cached query plans may stay those made when it was empty");
-            }
         }
     }
 
@@ -538,6 +516,25 @@ impl Round for SettleRequest {
 
     async fn run(runner: &BatchRunner, requests: &[&Self]) -> Result<Vec<bool>, StoreError> {
         runner.settle_round(requests).await
+    }
+}
+
+/// Refreshes the table's statistics, so that every connection's cached
+/// plans are made again for the table as it now is (see `Growth`). A
+/// failure (the proxy's user may not own the table) costs only that.
+async fn analyze(session: Arc<Session>, sql: Arc<Statements>) {
+    let analyzed = async {
+        let client = session.client().await?;
+        client
+            .batch_execute(&sql.analyze)
+            .await
+            .map_err(postgres_error)
+    };
+    match analyzed.await {
+        Ok(()) => tracing::debug!("analyzed the claims table as it grew"),
+        Err(error) => {
+            tracing::warn!(%error, "cannot analyze the claims table; with autovacuum off, its cached query plans may stay those made when it was empty");
+        }
     }
 }
 
