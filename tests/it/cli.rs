@@ -412,19 +412,16 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
         "the check created the file"
     );
     let missing_dir = format!("sqlite://{}", dir.path().join("typo/fresh.db").display());
-    let config = config.replace(&url, &missing_dir);
-    let out = run(&["check-config", "--connect"], Some(&config), &[]);
-    assert_eq!(out.code, 1, "{}", out.stderr);
-    assert!(out.stderr.contains("is not a directory"), "{}", out.stderr);
-    // Nobody may create a file in /sys, root included.
-    let config = config.replace(&missing_dir, "sqlite:///sys/fresh.db");
-    let out = run(&["check-config", "--connect"], Some(&config), &[]);
-    assert_eq!(out.code, 1, "{}", out.stderr);
-    assert!(
-        out.stderr.contains("cannot create /sys/fresh.db"),
-        "{}",
-        out.stderr
-    );
+    for (unusable, error) in [
+        (missing_dir.as_str(), "is not a directory"),
+        // Nobody may create a file in /sys, root included.
+        ("sqlite:///sys/fresh.db", "cannot create /sys/fresh.db"),
+    ] {
+        let config = config.replace(&url, unusable);
+        let out = run(&["check-config", "--connect"], Some(&config), &[]);
+        assert_eq!(out.code, 1, "{unusable}: {}", out.stderr);
+        assert!(out.stderr.contains(error), "{unusable}: {}", out.stderr);
+    }
 }
 
 #[tokio::test]

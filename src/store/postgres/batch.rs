@@ -259,7 +259,6 @@ impl BatchRunner {
                 self.query(&self.sql.claim, &columns.params()).await?
             }
         };
-
         let mut claims = vec![None; requests.len()];
         let mut unseen = Vec::new();
         let mut retakable = Vec::new();
