@@ -57,7 +57,7 @@ pub enum Command {
     Prune {
         /// Delete keys first delivered longer ago than this (e.g. `72h`),
         /// whatever their route's retention.
-        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        #[arg(long, value_name = "DURATION", value_parser = crate::config::parse_duration)]
         older_than: Option<Duration>,
     },
 }
@@ -135,11 +135,6 @@ impl From<StatusArg> for KeyStatus {
     }
 }
 
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text)
-        .map_err(|error| format!("{error} (write durations like 30m, 72h or 7d)"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,5 +179,23 @@ mod tests {
             "-x"
         );
         assert!(Cli::try_parse_from(["dedupe-proxy", "keys", "show", "json", "-x"]).is_err());
+    }
+
+    #[test]
+    fn prune_takes_durations_as_the_configuration_does() {
+        let older_than = |text: &str| {
+            Cli::try_parse_from(["dedupe-proxy", "prune", "--older-than", text]).map(
+                |cli| match cli.command {
+                    Some(Command::Prune { older_than }) => older_than,
+                    other => panic!("{other:?}"),
+                },
+            )
+        };
+        assert_eq!(
+            older_than("30d").unwrap(),
+            Some(Duration::from_secs(30 * 86_400))
+        );
+        let error = older_than("1M").unwrap_err().to_string();
+        assert!(error.contains("`M` is months"), "{error}");
     }
 }

@@ -15,7 +15,7 @@ mod duration;
 mod locate;
 mod validate;
 
-pub use duration::format as format_duration;
+pub use duration::{format as format_duration, parse as parse_duration};
 
 use crate::provider::{Handshake, Provider};
 use crate::secret::SecretRef;
@@ -313,7 +313,10 @@ pub struct RouteConfig {
     /// Exact request path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
-    /// Path prefix, instead of `path`.
+    /// Path prefix, instead of `path`, matched at a segment boundary:
+    /// `/hooks/pay` matches `/hooks/pay` and `/hooks/pay/stripe`, not
+    /// `/hooks/payments`. The longest matching prefix wins; an exact `path`
+    /// wins over any prefix.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_prefix: Option<String>,
     /// Methods the route applies to.

@@ -1,10 +1,13 @@
-//! Durations in the configuration: read as humantime reads them (`30s`,
-//! `5m`, `72h`, `7d`), and printed in the largest unit that divides them
-//! exactly, the way they are written: `7d` and `31d`, where humantime prints
-//! `7days` and, with its 30.44-day month, `1month 13h 26m 24s`.
+//! Durations in the configuration and on the command line: read as
+//! humantime reads them (`30s`, `5m`, `72h`, `7d`), except for months and
+//! years, and printed in the largest unit that divides them exactly, the way
+//! they are written: `7d` and `31d`, where humantime prints `7days` and, with
+//! its 30.44-day month, `1month 13h 26m 24s`.
 
+use std::fmt;
 use std::time::Duration;
 
+use serde::de::Visitor;
 use serde::{Deserializer, Serializer};
 
 const UNITS: [(&str, u128); 5] = [
@@ -28,12 +31,45 @@ pub fn format(duration: Duration) -> String {
     }
 }
 
+/// Reads a duration. Months and years are refused: humantime's `M` (months)
+/// is one shift key away from `m` (minutes), so `lease: 5M` would quietly
+/// hold a crashed delivery's key for five months, and its month is an
+/// average (30.44 days) anyway.
+pub fn parse(text: &str) -> Result<Duration, String> {
+    const HINT: &str = "write durations like 500ms, 30s, 5m, 72h or 7d";
+    let months_or_years = text
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .find(|unit| matches!(*unit, "M" | "month" | "months" | "y" | "year" | "years"));
+    if let Some(unit) = months_or_years {
+        return Err(format!(
+            "`{text}`: `{unit}` is months or years, which are not accepted ({HINT}; `m` is minutes)"
+        ));
+    }
+    humantime::parse_duration(text).map_err(|error| format!("`{text}`: {error} ({HINT})"))
+}
+
 pub fn serialize<S: Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&format(*duration))
 }
 
 pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-    humantime_serde::deserialize(deserializer)
+    deserializer.deserialize_str(DurationText)
+}
+
+/// Parses while the value is being read, so that an error is reported at the
+/// field's own path and line.
+struct DurationText;
+
+impl Visitor<'_> for DurationText {
+    type Value = Duration;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("a duration such as 30s, 5m, 72h or 7d")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Duration, E> {
+        parse(text).map_err(E::custom)
+    }
 }
 
 /// The same, for optional fields.
@@ -53,7 +89,28 @@ pub mod option {
     pub fn deserialize<'de, D: Deserializer<'de>>(
         deserializer: D,
     ) -> Result<Option<Duration>, D::Error> {
-        humantime_serde::deserialize(deserializer)
+        deserializer.deserialize_option(OptionalDurationText)
+    }
+
+    struct OptionalDurationText;
+
+    impl<'de> Visitor<'de> for OptionalDurationText {
+        type Value = Option<Duration>;
+
+        fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+            DurationText.expecting(formatter)
+        }
+
+        fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_some<D: Deserializer<'de>>(
+            self,
+            deserializer: D,
+        ) -> Result<Self::Value, D::Error> {
+            super::deserialize(deserializer).map(Some)
+        }
     }
 }
 
@@ -74,7 +131,24 @@ mod tests {
             (Duration::from_micros(1_500), "1ms 500us"),
         ] {
             assert_eq!(format(duration), printed);
-            assert_eq!(humantime::parse_duration(printed).unwrap(), duration);
+            assert_eq!(parse(printed).unwrap(), duration);
         }
+    }
+
+    #[test]
+    fn months_and_years_are_refused_and_minutes_are_not() {
+        assert_eq!(parse("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse("1h 30m").unwrap(), Duration::from_secs(5_400));
+        for text in ["5M", "1month", "2 months", "1y", "1year 2d", "3years"] {
+            let error = parse(text).unwrap_err();
+            assert!(error.contains("months or years"), "{text}: {error}");
+        }
+    }
+
+    #[test]
+    fn an_unreadable_duration_says_how_to_write_one() {
+        let error = parse("5 parsecs").unwrap_err();
+        assert!(error.starts_with("`5 parsecs`: "), "{error}");
+        assert!(error.contains("30s, 5m, 72h or 7d"), "{error}");
     }
 }

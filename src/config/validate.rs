@@ -25,21 +25,28 @@ impl Config {
                 problems.push(message);
             }
         };
+        let upstream_uri = self.upstream.url.parse::<http::Uri>().ok();
+        let upstream_url = crate::store::StoreUrl::redact(&self.upstream.url);
         check(
             self.upstream.url.starts_with("http://") || self.upstream.url.starts_with("https://"),
-            format!(
-                "upstream.url: `{}` must be an http:// or https:// URL",
-                self.upstream.url
-            ),
+            format!("upstream.url: `{upstream_url}` must be an http:// or https:// URL"),
         );
         check(
-            self.upstream
-                .url
-                .parse::<http::Uri>()
-                .is_ok_and(|uri| uri.host().is_some()),
+            upstream_uri
+                .as_ref()
+                .is_some_and(|uri| uri.host().is_some()),
+            format!("upstream.url: `{upstream_url}` is not a valid URL with a host"),
+        );
+        // Credentials in the URL would be printed by check-config and sent
+        // nowhere: hyper's client does not turn them into an Authorization
+        // field, and the sender's own is forwarded as it is.
+        check(
+            !upstream_uri
+                .as_ref()
+                .and_then(http::Uri::authority)
+                .is_some_and(|authority| authority.as_str().contains('@')),
             format!(
-                "upstream.url: `{}` is not a valid URL with a host",
-                self.upstream.url
+                "upstream.url: `{upstream_url}`: credentials in the URL are not supported (the sender's Authorization field is forwarded as it is)"
             ),
         );
         check(
@@ -529,6 +536,32 @@ mod tests {
   - { name: c, path_prefix: /hooks, key: { header: X-Id } }",
         );
         assert!(config.is_ok(), "{config:?}");
+    }
+
+    #[test]
+    fn credentials_in_the_upstream_url_are_refused_without_printing_the_password() {
+        let problems = problems("upstream: { url: 'http://app:s3cret@127.0.0.1:3000' }");
+        assert!(
+            problems.iter().any(|problem| problem.starts_with(
+                "upstream.url (line 1): `http://app:REDACTED@127.0.0.1:3000`: credentials in the URL are not supported"
+            )),
+            "{problems:?}"
+        );
+        assert!(
+            problems.iter().all(|problem| !problem.contains("s3cret")),
+            "{problems:?}"
+        );
+    }
+
+    #[test]
+    fn durations_in_months_are_refused() {
+        match parse("store:\n  lease: 5M\n") {
+            Err(Problem::Parse(problem)) => assert!(
+                problem.contains("store.lease") && problem.contains("`M` is months"),
+                "{problem}"
+            ),
+            other => panic!("expected a parse problem, got {other:?}"),
+        }
     }
 
     #[test]
