@@ -1124,6 +1124,8 @@ class Bench:
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"profile-{self.a.profile}-{self.stamp}.txt"
         text = self.profile_callgrind() if self.a.profile == "callgrind" else self.profile_perf()
+        facts = self.machine
+        text = f"dedupe-proxy {facts['dedupe-proxy']}\non {facts['cpu']}, {facts['nproc']} CPUs\n{text}"
         path.write_text(text)
         print(text)
         print(f"\nprofile: {path}")
