@@ -322,11 +322,12 @@ pub struct RouteConfig {
     /// Methods the route applies to.
     #[serde(default = "default_methods")]
     pub methods: Vec<String>,
-    /// Where the idempotency key is; a `provider` supplies it otherwise.
+    /// Where the idempotency key is; a `provider` supplies it otherwise
+    /// (except `zoom`, which sends no event id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<KeyConfig>,
     /// A provider preset (`stripe`, `github`, `standard-webhooks` or `svix`,
-    /// `shopify`, `slack`): key location, signature scheme, default retention
+    /// `shopify`, `slack`, `zoom`): key location, signature scheme, default retention
     /// and handshakes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider: Option<Provider>,

@@ -9,7 +9,7 @@ use http::{Method, StatusCode};
 
 use crate::config::{Config, Mode, OnMissingKey, OnPayloadMismatch, RouteConfig, StatusMatch};
 use crate::key::KeySource;
-use crate::provider::Handshake;
+use crate::provider::{Handshake, Provider};
 use crate::store::Claim;
 use crate::verify::{BodyHmac, Scheme, Verifier};
 
@@ -69,7 +69,12 @@ impl Route {
         let preset = route.provider.map(|provider| provider.preset());
         let key = match (&route.key, &preset) {
             (Some(key), _) => KeySource::from_config(key).map_err(|p| vec![format!("key: {p}")])?,
-            (None, Some(preset)) => preset.key.clone(),
+            (None, Some(preset)) => preset.key.clone().ok_or_else(|| {
+                vec![format!(
+                    "key: required with provider {}, which sends no event id",
+                    route.provider.map(Provider::name).unwrap_or_default()
+                )]
+            })?,
             (None, None) => return Err(vec!["key: required without a provider".into()]),
         };
         let scheme = match (&route.signature, &preset) {

@@ -81,6 +81,11 @@ impl Scheme {
         Scheme::Body(BodyHmac::slack())
     }
 
+    /// Zoom's `x-zm-signature: v0=<hex>` of `v0:timestamp:body`.
+    pub fn zoom() -> Self {
+        Scheme::Body(BodyHmac::zoom())
+    }
+
     /// Checks one request against every secret; `Ok` when any signature in
     /// the request matches any secret and its timestamp (for the schemes
     /// that sign one) is within `tolerance` of `now`.

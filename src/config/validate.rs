@@ -255,10 +255,15 @@ impl Config {
             }
         }
         match &route.key {
-            None if route.provider.is_none() => problems.push(format!(
-                "{at}.key: required without a provider: `{{ header: NAME }}` or `{{ json: /pointer }}`"
-            )),
-            None => {}
+            None => match route.provider {
+                None => problems.push(format!(
+                    "{at}.key: required without a provider: `{{ header: NAME }}` or `{{ json: /pointer }}`"
+                )),
+                Some(provider) if provider.preset().key.is_none() => problems.push(format!(
+                    "{at}.key: required with provider {provider}, which sends no event id: name a field unique to each event, e.g. `{{ json: /payload/object/uuid }}` for Zoom's recording.completed"
+                )),
+                Some(_) => {}
+            },
             Some(key) => {
                 if let Err(problem) = crate::key::KeySource::from_config(key) {
                     problems.push(format!("{at}.key: {problem}"));
@@ -658,6 +663,25 @@ mod tests {
                     && p.contains("DEDUPE_TEST_UNSET_SECRET_VAR")),
             "{missing:?}"
         );
+    }
+
+    #[test]
+    fn a_zoom_route_names_its_key() {
+        let keyless = problems(
+            "routes: [{ name: zoom, path: /z, provider: zoom, secrets: [{ value: token }] }]",
+        );
+        assert!(
+            keyless
+                .iter()
+                .any(|p| p.starts_with("routes[0] (zoom).key") && p.contains("sends no event id")),
+            "{keyless:?}"
+        );
+        let config = parse(
+            "routes: [{ name: zoom, path: /z, provider: zoom, key: { json: /payload/object/uuid }, secrets: [{ value: token }] }]",
+        )
+        .unwrap();
+        let route = crate::route::Route::compile(&config.effective_route(&config.routes[0]));
+        assert!(route.is_ok());
     }
 
     #[test]

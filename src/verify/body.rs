@@ -174,12 +174,23 @@ impl BodyHmac {
     /// Slack: `X-Slack-Signature: v0=<hex HMAC-SHA256 of v0:ts:body>`, where
     /// `ts` is `X-Slack-Request-Timestamp`.
     pub fn slack() -> Self {
+        Self::v0_timestamped("x-slack-signature", "x-slack-request-timestamp")
+    }
+
+    /// Zoom: `x-zm-signature: v0=<hex HMAC-SHA256 of v0:ts:body>`, where `ts`
+    /// is `x-zm-request-timestamp`.
+    pub fn zoom() -> Self {
+        Self::v0_timestamped("x-zm-signature", "x-zm-request-timestamp")
+    }
+
+    /// Slack's scheme, which Zoom copied under other header names.
+    fn v0_timestamped(signature: &'static str, timestamp: &'static str) -> Self {
         Self {
-            header: HeaderName::from_static("x-slack-signature"),
+            header: HeaderName::from_static(signature),
             algorithm: Algorithm::HmacSha256,
             encoding: Encoding::Hex,
             prefix: "v0=".into(),
-            timestamp: Some(HeaderName::from_static("x-slack-request-timestamp")),
+            timestamp: Some(HeaderName::from_static(timestamp)),
             payload: vec![
                 Piece::Text("v0:".into()),
                 Piece::Timestamp,

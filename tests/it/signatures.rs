@@ -22,7 +22,7 @@ on_both_stores!(
     every_preset_accepts_its_own_signature_and_rejects_another_secret,
     slack_url_verification_is_forwarded_without_a_claim,
     a_custom_signature_scheme_is_verified,
-    a_zoom_route_verifies_its_timestamped_signature_and_handshake,
+    zoom_routes_verify_their_timestamped_signature_and_handshake,
 );
 
 const STRIPE_SECRET: &str = "whsec_test_primary";
@@ -67,7 +67,8 @@ async fn app(backend: Backend) -> TestApp {
 - {{ name: shopify, path: /webhooks/shopify, provider: shopify, secrets: [{{ value: shop-secret }}] }}
 - {{ name: slack, path: /slack/events, provider: slack, secrets: [{{ value: slack-secret }}] }}
 - {{ name: partner, path: /hooks/partner, key: {{ header: X-Partner-Event }}, signature: {{ header: X-Partner-Signature, algorithm: hmac-sha256, encoding: base64, prefix: "v2:" }}, secrets: [{{ value: partner-secret }}] }}
-- {{ name: zoom, path: /webhooks/zoom, key: {{ json: /payload/object/uuid }}, signature: {{ header: x-zm-signature, algorithm: hmac-sha256, encoding: hex, prefix: "v0=", timestamp_header: x-zm-request-timestamp, signed_payload: "v0:{{timestamp}}:{{body}}" }}, handshakes: [{{ json: /event, equals: endpoint.url_validation }}], secrets: [{{ value: zoom-secret }}] }}
+- {{ name: zoom, path: /webhooks/zoom, provider: zoom, key: {{ json: /payload/object/uuid }}, secrets: [{{ value: zoom-secret }}] }}
+- {{ name: zoom-custom, path: /webhooks/zoom-custom, key: {{ json: /payload/object/uuid }}, signature: {{ header: x-zm-signature, algorithm: hmac-sha256, encoding: hex, prefix: "v0=", timestamp_header: x-zm-request-timestamp, signed_payload: "v0:{{timestamp}}:{{body}}" }}, handshakes: [{{ json: /event, equals: endpoint.url_validation }}], secrets: [{{ value: zoom-secret }}] }}
 "#
             ),
         );
@@ -420,10 +421,19 @@ async fn a_custom_signature_scheme_is_verified(backend: Backend) {
     assert_eq!(app.upstream.count(), 1);
 }
 
-/// Zoom signs `v0:{x-zm-request-timestamp}:{body}`: a custom signature with a
-/// timestamp header verifies it, the URL validation handshake included.
-async fn a_zoom_route_verifies_its_timestamped_signature_and_handshake(backend: Backend) {
+/// Zoom signs `v0:{x-zm-request-timestamp}:{body}`: the `zoom` preset, and
+/// a custom signature with a timestamp header spelling out the same scheme,
+/// verify it, the URL validation handshake included.
+async fn zoom_routes_verify_their_timestamped_signature_and_handshake(backend: Backend) {
     let app = app(backend).await;
+    for path in ["/webhooks/zoom", "/webhooks/zoom-custom"] {
+        let forwarded_before = app.upstream.count();
+        zoom_route_verifies(&app, path).await;
+        assert_eq!(app.upstream.count() - forwarded_before, 2, "{path}");
+    }
+}
+
+async fn zoom_route_verifies(app: &TestApp, path: &str) {
     let zoom = |body: &str, timestamp: i64, secret: &[u8]| {
         let signed = format!("v0:{timestamp}:{body}");
         let signature = format!("v0={}", hex::encode(hmac256(secret, signed.as_bytes())));
@@ -432,35 +442,38 @@ async fn a_zoom_route_verifies_its_timestamped_signature_and_handshake(backend: 
             ("x-zm-signature".to_string(), signature),
         ]
     };
-    let post = |body: &'static str, headers: [(String, String); 2]| {
-        let app = &app;
-        async move {
-            let headers: Vec<(&str, &str)> = headers
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_str()))
-                .collect();
-            app.post("/webhooks/zoom", &headers, body).await
-        }
+    let post = |body: &'static str, headers: [(String, String); 2]| async move {
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        app.post(path, &headers, body).await
     };
     let handshake = r#"{"event":"endpoint.url_validation","payload":{"plainToken":"qgg8vlvZRS6UYooatFL8Aw"},"event_ts":1700000000000}"#;
     let answered = post(handshake, zoom(handshake, now(), b"zoom-secret")).await;
     assert_eq!((answered.status, answered.outcome()), (200, "passthrough"));
+    let handshake_seen = app.upstream.seen().last().cloned().unwrap();
+    assert_eq!(handshake_seen.header("x-dedupe-key"), None, "{path}");
     let event =
         r#"{"event":"meeting.ended","payload":{"object":{"uuid":"m-1"}},"event_ts":1700000000001}"#;
     let first = post(event, zoom(event, now(), b"zoom-secret")).await;
-    assert_eq!(first.outcome(), "forwarded");
+    assert_eq!(first.outcome(), "forwarded", "{path}");
+    let event_seen = app.upstream.seen().last().cloned().unwrap();
+    assert_eq!(event_seen.header("x-dedupe-key"), Some("m-1"), "{path}");
     let again = post(event, zoom(event, now(), b"zoom-secret")).await;
-    assert_eq!(again.outcome(), "duplicate");
+    assert_eq!(again.outcome(), "duplicate", "{path}");
     for (headers, why) in [
         (zoom(handshake, now(), b"other-secret"), "another secret"),
         (
             zoom(handshake, now() - 600, b"zoom-secret"),
             "a stale timestamp",
         ),
+        (
+            zoom(handshake, now() + 600, b"zoom-secret"),
+            "a future timestamp",
+        ),
     ] {
         let refused = post(handshake, headers).await;
-        assert_eq!(refused.status, 401, "{why}");
+        assert_eq!(refused.status, 401, "{path}: {why}");
     }
-    assert_eq!(app.upstream.count(), 2);
-    assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
 }
