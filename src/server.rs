@@ -181,7 +181,8 @@ impl Application {
                 .await;
             tracing::warn!(
                 open,
-                written = settles.written,
+                outcomes_written = settles.outcomes_written,
+                released = settles.released,
                 unwritten = settles.unwritten,
                 "claims still open at shutdown: known outcomes written, the rest released"
             );

@@ -110,8 +110,10 @@ impl Registry {
 /// What shutdown's final settles did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FinalSettles {
-    /// Written: the known outcome, or released.
-    pub written: usize,
+    /// Claims whose upstream had answered: that outcome written.
+    pub outcomes_written: usize,
+    /// Claims whose upstream had not answered: released (`failed`).
+    pub released: usize,
     /// Left to their leases: the store did not take them before the deadline.
     pub unwritten: usize,
 }
@@ -164,7 +166,7 @@ impl OpenClaims {
     pub async fn settle_all(&self, store: &Store, deadline: Instant) -> FinalSettles {
         let registry = std::mem::take(&mut *self.lock());
         let mut pending: Vec<OpenClaim> = registry.claims.into_values().collect();
-        let mut written = 0;
+        let (mut outcomes_written, mut released) = (0, 0);
         let mut delay = Duration::from_millis(100);
         loop {
             let mut failed = Vec::new();
@@ -174,7 +176,28 @@ impl OpenClaims {
                     .settle(&claim.source, &claim.key, claim.attempt, settlement)
                     .await
                 {
-                    Ok(true) => written += 1,
+                    // The request's own line is never logged when its sender's
+                    // connection is cut at the deadline: this one names its key.
+                    Ok(true) if claim.outcome.is_none() => {
+                        released += 1;
+                        tracing::warn!(
+                            route = &*claim.source,
+                            key = claim.key.as_str(),
+                            attempt = claim.attempt,
+                            "released at shutdown before the upstream answered: the sender gets no answer, and its retry is forwarded again"
+                        );
+                    }
+                    Ok(true) => {
+                        outcomes_written += 1;
+                        tracing::info!(
+                            route = &*claim.source,
+                            key = claim.key.as_str(),
+                            attempt = claim.attempt,
+                            status = settlement.status.as_str(),
+                            upstream_status = settlement.response_status,
+                            "outcome written at shutdown"
+                        );
+                    }
                     // Written by an earlier try, or taken over: nothing left.
                     Ok(false) => {}
                     Err(error) => failed.push((claim, error)),
@@ -191,7 +214,8 @@ impl OpenClaims {
                     );
                 }
                 return FinalSettles {
-                    written,
+                    outcomes_written,
+                    released,
                     unwritten: failed.len(),
                 };
             }

@@ -37,7 +37,7 @@ impl Proxy {
                     route = &*claim.source,
                     key = claim.key.as_str(),
                     attempt,
-                    "claim was taken over after its lease expired; outcome not recorded"
+                    "claim no longer held by this attempt (released with `keys release`, or taken over after its lease expired); outcome not recorded"
                 );
                 true
             }
@@ -88,7 +88,7 @@ impl Proxy {
                             route = &*claim.source,
                             key = claim.key.as_str(),
                             attempt,
-                            "settle in the background found the claim no longer processing under this attempt: written by an earlier try, or taken over after its lease expired"
+                            "settle in the background found the claim no longer processing under this attempt: written by an earlier try, released with `keys release`, or taken over after its lease expired"
                         );
                         drop(guard);
                         return;

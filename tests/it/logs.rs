@@ -9,7 +9,7 @@ use http_body_util::Full;
 use serde_json::Value;
 
 use crate::cli::ProxyProcess;
-use crate::support::{Backend, TestResponse, TestStore, Upstream, client};
+use crate::support::{Backend, Behavior, TestResponse, TestStore, Upstream, client};
 
 const MARKER: &str = "BODY-MARKER-5f1c2e";
 
@@ -133,6 +133,69 @@ async fn a_webhook_forwarded_without_a_claim_logs_its_upstream_time() {
     let upstream_ms = passed["upstream_ms"].as_f64();
     assert!(upstream_ms.is_some_and(|ms| ms >= 0.0), "{passed}");
     assert_eq!(upstream.count(), 1);
+}
+
+/// A request still at the upstream when the grace period ends never gets
+/// its `webhook` line (its sender's connection is cut); the release of its
+/// claim names the route and key instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_cut_off_at_the_grace_deadline_is_logged_with_its_key() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    upstream.script("evt_cut", [Behavior::Hang]);
+    let config = config(
+        &upstream,
+        &store.url,
+        "shutdown_grace: 200ms
+",
+    );
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    let cut_off = tokio::spawn({
+        let addr = proxy.addr;
+        async move {
+            let request = Request::post(format!("http://{addr}/hooks/orders"))
+                .header("x-event-id", "evt_cut")
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .unwrap();
+            client().request(request).await
+        }
+    });
+    upstream.wait_for(1).await;
+    proxy.terminate();
+    assert!(proxy.wait().await.success());
+    assert!(cut_off.await.unwrap().is_err(), "the sender got no answer");
+    let events: Vec<Value> = proxy
+        .all_log_lines()
+        .await
+        .iter()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .collect();
+    let released: Vec<&Value> = events
+        .iter()
+        .filter(|event| {
+            event["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("released at shutdown"))
+        })
+        .collect();
+    assert_eq!(released.len(), 1, "{events:#?}");
+    assert_eq!(released[0]["level"], "WARN");
+    assert_eq!(released[0]["route"], "orders");
+    assert_eq!(released[0]["key"], "evt_cut");
+    assert_eq!(released[0]["attempt"], 1);
+    let summary = events
+        .iter()
+        .find(|event| {
+            event["message"]
+                == "claims still open at shutdown: known outcomes written, the rest released"
+        })
+        .expect("the summary line");
+    assert_eq!(
+        (&summary["released"], &summary["outcomes_written"]),
+        (&Value::from(1), &Value::from(0)),
+        "{summary}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
