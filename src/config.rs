@@ -545,6 +545,7 @@ impl Config {
         }
         .map_err(|error| Problem::Parse(error.to_string()))?;
         let mut lines = locate::Lines::of(text);
+        let url_from_env = store_url.is_some();
         if let Some(url) = store_url {
             config.store.url = url;
             lines.not_in_file("store.url");
@@ -557,7 +558,12 @@ impl Config {
         Err(Problem::Invalid(
             problems
                 .into_iter()
-                .map(|problem| config.lines.annotate(problem))
+                .map(|problem| match problem.strip_prefix("store.url:") {
+                    Some(rest) if url_from_env => {
+                        format!("store.url (from {STORE_URL_ENV}):{rest}")
+                    }
+                    _ => config.lines.annotate(problem),
+                })
                 .collect(),
         ))
     }
@@ -793,6 +799,22 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.store.url, "sqlite://b.db");
+    }
+
+    #[test]
+    fn a_bad_store_url_says_whether_it_came_from_the_environment() {
+        let invalid =
+            |text: &str, env: Option<&str>| match Config::from_yaml(text, env.map(Into::into)) {
+                Err(Problem::Invalid(problems)) => problems.join("\n"),
+                other => panic!("{other:?}"),
+            };
+        let from_env = invalid("store: { url: sqlite://a.db }", Some("mysql://db"));
+        assert!(
+            from_env.starts_with(&format!("store.url (from {STORE_URL_ENV}): ")),
+            "{from_env}"
+        );
+        let from_file = invalid("store:\n  url: mysql://db\n", None);
+        assert!(from_file.starts_with("store.url (line 2): "), "{from_file}");
     }
 
     #[test]

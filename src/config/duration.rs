@@ -45,7 +45,14 @@ pub fn parse(text: &str) -> Result<Duration, String> {
             "`{text}`: `{unit}` is months or years, which are not accepted ({HINT}; `m` is minutes)"
         ));
     }
-    humantime::parse_duration(text).map_err(|error| format!("`{text}`: {error} ({HINT})"))
+    humantime::parse_duration(text).map_err(|error| match error {
+        // humantime's own text for this lists months and years among the
+        // units, which this parser refuses.
+        humantime::DurationError::UnknownUnit { unit, .. } if !unit.is_empty() => {
+            format!("`{text}`: unknown unit `{unit}` ({HINT}; units: ns, us, ms, s, m, h, d, w)")
+        }
+        error => format!("`{text}`: {error} ({HINT})"),
+    })
 }
 
 pub fn serialize<S: Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
@@ -150,5 +157,13 @@ mod tests {
         let error = parse("5 parsecs").unwrap_err();
         assert!(error.starts_with("`5 parsecs`: "), "{error}");
         assert!(error.contains("30s, 5m, 72h or 7d"), "{error}");
+        let unknown = parse("5x").unwrap_err();
+        assert!(unknown.contains("unknown unit `x`"), "{unknown}");
+        assert!(
+            !unknown.contains("month"),
+            "refused units not offered: {unknown}"
+        );
+        let unitless = parse("30").unwrap_err();
+        assert!(unitless.contains("unit needed"), "{unitless}");
     }
 }

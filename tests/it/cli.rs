@@ -373,7 +373,8 @@ fn config_may_come_from_the_environment_and_follow_the_subcommand() {
     );
     let before = run(&["--config", path, "check-config"], None, &[]);
     assert_eq!(before.code, 0, "{}", before.stderr);
-    // A bad overriding URL is not placed on the file's line.
+    // A bad overriding URL is not placed on the file's line: it is said to
+    // come from the environment.
     let bad = run(
         &["check-config"],
         None,
@@ -381,7 +382,8 @@ fn config_may_come_from_the_environment_and_follow_the_subcommand() {
     );
     assert_eq!(bad.code, 2);
     assert!(
-        bad.stderr.contains("store.url: `mysql://x`"),
+        bad.stderr
+            .contains("store.url (from DEDUPE_STORE_URL): `mysql://x`"),
         "{}",
         bad.stderr
     );
