@@ -42,9 +42,6 @@ use super::timer::ConnectionTimer;
 use crate::proxy::{Body, Proxy};
 use crate::upstream::Peer;
 
-/// How long a client may take to complete the TLS handshake.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// What every serving thread needs to serve webhook connections.
 #[derive(Clone)]
 pub(super) struct Webhooks {
@@ -264,8 +261,10 @@ async fn serve(
                 drop(counted);
             }),
             Some(acceptor) => connections.spawn(async move {
+                // The handshake is the connection's first bytes, bounded as
+                // they are without TLS.
                 let handshake =
-                    tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                    tokio::time::timeout(header_read_timeout, acceptor.accept(stream));
                 let Some(handshake) = closing.token.run_until_cancelled(handshake).await else {
                     return;
                 };

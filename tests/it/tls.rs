@@ -9,6 +9,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
@@ -117,6 +118,13 @@ fn write(dir: &std::path::Path, name: &str, content: &str) -> String {
 /// A proxy terminating TLS with `leaf`, whose files live in the returned
 /// directory.
 async fn app_serving_tls(leaf: &Leaf) -> (TestApp, tempfile::TempDir) {
+    app_serving_tls_with(leaf, |_| {}).await
+}
+
+async fn app_serving_tls_with(
+    leaf: &Leaf,
+    configure: impl FnOnce(&mut dedupe_proxy::Config),
+) -> (TestApp, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let (cert, key) = (
         write(dir.path(), "tls.crt", &leaf.cert_pem),
@@ -127,9 +135,32 @@ async fn app_serving_tls(leaf: &Leaf) -> (TestApp, tempfile::TempDir) {
             cert_file: cert.into(),
             key_file: key.into(),
         });
+        configure(config);
     })
     .await;
     (app, dir)
+}
+
+/// The TLS handshake is a new connection's first bytes: it gets
+/// `header_read_timeout` like a plain connection's request line does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_connection_that_never_completes_its_handshake_is_closed() {
+    let leaf = TestPki::new().leaf("localhost");
+    let (app, _dir) = app_serving_tls_with(&leaf, |config| {
+        config.limits.header_read_timeout = Duration::from_millis(300);
+    })
+    .await;
+    for first_bytes in [&b""[..], &b"\x16\x03\x01\x00\xc8\x01"[..]] {
+        let mut stalled = TcpStream::connect(app.addr).await.unwrap();
+        stalled.write_all(first_bytes).await.unwrap();
+        let mut buffer = [0u8; 1024];
+        // Generous against 300 ms, and short of the 10 s a handshake given
+        // its own fixed timeout would be allowed.
+        let closed = tokio::time::timeout(Duration::from_secs(5), stalled.read(&mut buffer))
+            .await
+            .expect("a stalled handshake is closed at the header read timeout");
+        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
