@@ -68,6 +68,25 @@ app.kubernetes.io/part-of: {{ include "dedupe-proxy.name" . }}
 {{- end -}}
 
 {{/*
+What the readiness probe asks: readinessPath when set; otherwise /readyz
+(the store answers) for a gateway that rejects webhooks while the store is
+down, so a rollout with a store it cannot reach stalls instead of replacing
+working pods, and /healthz (the process serves) for a sidecar, whose pod
+must not leave the application's Service over the store, or for
+on_unavailable: forward, which keeps webhooks flowing through an outage.
+*/}}
+{{- define "dedupe-proxy.readinessPath" -}}
+{{- $onUnavailable := (.Values.config.store | default dict).on_unavailable | default "reject" -}}
+{{- if .Values.readinessPath -}}
+{{- .Values.readinessPath -}}
+{{- else if or (eq .Values.mode "sidecar") (eq $onUnavailable "forward") -}}
+/healthz
+{{- else -}}
+/readyz
+{{- end -}}
+{{- end -}}
+
+{{/*
 The configuration file: config from values, with the listeners and the
 upstream set by the chart.
 */}}
