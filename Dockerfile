@@ -12,12 +12,14 @@
 #
 # Health: there is no HEALTHCHECK, because the image has no shell or HTTP
 # client to run one. Probe the admin port from outside the container instead:
-# GET /healthz (the process serves) for liveness and GET /readyz (the store
-# answers; 503 otherwise) for readiness, as the Helm chart and the manifests in
-# deploy/kubernetes do. The admin listener must bind 0.0.0.0 for that
+# GET /healthz (the process serves) for liveness and, for readiness, GET /readyz
+# (the store answers; 503 otherwise) or /healthz, as the Helm chart chooses per
+# shape and the manifests in deploy/kubernetes do (README: Deploy). The admin listener must bind 0.0.0.0 for that
 # (`admin_listen: 0.0.0.0:9090` in the mounted configuration).
 
-ARG RUST_IMAGE=rust:1-bookworm
+# The toolchain the project is tested with; its patch releases follow. Pin
+# digests (name@sha256:…) where builds must be reproducible.
+ARG RUST_IMAGE=rust:1.95-bookworm
 ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian12:nonroot
 
 FROM ${RUST_IMAGE} AS builder
