@@ -263,8 +263,7 @@ async fn serve(
             Some(acceptor) => connections.spawn(async move {
                 // The handshake is the connection's first bytes, bounded as
                 // they are without TLS.
-                let handshake =
-                    tokio::time::timeout(header_read_timeout, acceptor.accept(stream));
+                let handshake = tokio::time::timeout(header_read_timeout, acceptor.accept(stream));
                 let Some(handshake) = closing.token.run_until_cancelled(handshake).await else {
                     return;
                 };

@@ -52,6 +52,9 @@ struct Session {
     /// Set when named statements turned out not to survive the way to the
     /// server; every statement is unnamed from then on.
     named_statements_lost: AtomicBool,
+    /// The last parameter of every claim and settle statement (see
+    /// `sql::Statements`).
+    instance: String,
     growth: Growth,
 }
 
@@ -86,15 +89,17 @@ impl PostgresStore {
             .recycle_timeout(Some(config.timeout))
             .build()
             .map_err(|error| StoreError::Postgres(error_chain(&error)))?;
+        let instance = instance();
         Ok(Self {
             session: Arc::new(Session {
                 pool,
                 pipeline: Mutex::new(Weak::new()),
                 statement_cache: config.statement_cache,
                 named_statements_lost: AtomicBool::new(false),
+                instance: instance.clone(),
                 growth: Growth::new(),
             }),
-            sql: Arc::new(Statements::new(&config.table)),
+            sql: Arc::new(Statements::new(&config.table, &instance)),
             keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
             batches: OnceLock::new(),
@@ -172,13 +177,17 @@ impl Session {
 
     /// Runs a claim or settle statement on `client`: a cached named
     /// statement, or with `statement_cache: false` (or once named statements
-    /// were lost) an unnamed one.
+    /// were lost) an unnamed one. `params` are the statement's own; the
+    /// guard's (this process's instance) is added last.
     async fn query_on(
         &self,
         client: &Connection,
         sql: &str,
         params: &Params<'_>,
     ) -> Result<Vec<Row>, StoreError> {
+        let mut guarded = params.to_vec();
+        guarded.push((&self.instance, Type::TEXT));
+        let params = &guarded[..];
         if self.named_statements() {
             let named = async {
                 let statement = client.prepare_typed_cached(sql, &types(params)).await?;
@@ -212,17 +221,36 @@ impl Session {
 }
 
 /// Whether the error says a named statement was not on the server connection
-/// the statement reached, or another one had its name: what a transaction
-/// pooler that does not track prepared statements does to them. The statement
-/// did not run, so running it again unnamed is safe.
+/// the statement reached, or another statement had its name there: what a
+/// transaction pooler that does not track prepared statements does to them.
+/// Another process's statement under the name refuses these parameters when
+/// they do not decode as its own (bad binary data, array or parameter count),
+/// and its guard refuses them when they do (division by zero; see
+/// `sql::Statements`). Either way nothing ran, and the statement is safely
+/// run again unnamed. Our own statements, given the parameters they were
+/// prepared for, raise none of these.
 fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
     [
         SqlState::INVALID_SQL_STATEMENT_NAME,
         SqlState::DUPLICATE_PSTATEMENT,
         SqlState::PROTOCOL_VIOLATION,
+        SqlState::DIVISION_BY_ZERO,
+        SqlState::INVALID_BINARY_REPRESENTATION,
+        SqlState::DATATYPE_MISMATCH,
+        SqlState::PROGRAM_LIMIT_EXCEEDED,
     ]
     .iter()
     .any(|code| error.code() == Some(code))
+}
+
+/// This process's instance, for the statements' guard: random, so that no
+/// two processes share one.
+fn instance() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    // Each RandomState is keyed from the operating system's randomness.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    format!("{:016x}", hasher.finish())
 }
 
 /// A statement's parameters with their types.

@@ -4,6 +4,19 @@
 use crate::store::sql_identifier;
 
 /// The statements the request path and `migrate` run.
+///
+/// The request path's six (claim, settle, their one-key forms, retake and
+/// recheck) carry a guard: their last parameter must be this process's
+/// `instance`, written into their text, or the statement fails with
+/// division by zero before it changes anything. A transaction-pooling
+/// PgBouncer that does not track prepared statements can hand a named
+/// statement to a server connection where another process prepared a
+/// different statement under the same name (every process names its
+/// statements `s0`, `s1`, …). Without the guard that statement would run
+/// with this one's parameters wherever their types fit: a claim made in
+/// another table, or a settle taken for a claim. With it, such a run fails,
+/// and the store switches to unnamed statements and runs it again (see
+/// `lost_named_statement`).
 pub(super) struct Statements {
     pub(super) migrate: String,
     /// The table and its index as text for `to_regclass`, to find a schema
@@ -28,7 +41,16 @@ pub(super) struct Statements {
 }
 
 impl Statements {
-    pub(super) fn new(table_name: &str) -> Self {
+    /// `instance` names this process's statements apart from every other
+    /// process's: hex digits, written into their text.
+    pub(super) fn new(table_name: &str, instance: &str) -> Self {
+        assert!(
+            !instance.is_empty() && instance.bytes().all(|b| b.is_ascii_hexdigit()),
+            "the instance is written into SQL as hex"
+        );
+        // A condition with no column in it: PostgreSQL checks it once, before
+        // the statement reads or writes a row.
+        let guard = |parameter: usize| format!("1 / (${parameter}::text = '{instance}')::int = 1");
         let (schema, unqualified) = match table_name.rsplit_once('.') {
             Some((schema, unqualified)) => (Some(schema), unqualified),
             None => (None, table_name),
@@ -58,6 +80,12 @@ impl Statements {
         let prior_one_takeable = takeable("p", "$5", "$3");
         let locked_takeable = takeable("e", "i.reject_mismatch", "i.payload_sha256");
         let latest_takeable = takeable("e", "r.reject_mismatch", "r.payload_sha256");
+        let guarded_input = format!(
+            "SELECT * FROM {claim_arrays}
+                     WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
+                    WHERE {}",
+            guard(6)
+        );
         Self {
             table_regclass: table.clone(),
             index_regclass,
@@ -107,8 +135,7 @@ impl Statements {
             // keys are then claimed one by one.
             claim: format!(
                 "WITH input AS (
-                   SELECT * FROM {claim_arrays}
-                     WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
+                   {guarded_input}
                  ), prior AS MATERIALIZED (
                    SELECT i.ord, e.status, e.payload_sha256, e.received_at, e.lease_expires_at
                      FROM input i JOIN {table} e USING (source, event_id)
@@ -146,8 +173,7 @@ impl Statements {
             // inserted in it.
             retake: format!(
                 "WITH input AS (
-                   SELECT * FROM {claim_arrays}
-                     WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
+                   {guarded_input}
                  ), retakable AS (
                    SELECT i.ord, e.source, e.event_id, e.status, i.lease_ms, i.payload_sha256,
                           i.reject_mismatch
@@ -174,7 +200,9 @@ impl Statements {
                           WITH ORDINALITY AS u(source, event_id, attempt, status, response_status, ord)
                   WHERE e.source = u.source AND e.event_id = u.event_id
                     AND e.status = 'processing' AND e.attempts = u.attempt
-                 RETURNING u.ord"
+                    AND {}
+                 RETURNING u.ord",
+                guard(6)
             ),
             // The batch statement's decisions for one key, shaped the same
             // way: `prior` reads the row once, and the INSERT runs only if it
@@ -182,7 +210,7 @@ impl Statements {
             claim_one: format!(
                 "WITH prior AS MATERIALIZED (
                    SELECT status, payload_sha256, received_at, lease_expires_at FROM {table}
-                    WHERE source = $1 AND event_id = $2
+                    WHERE source = $1 AND event_id = $2 AND {}
                  ), inserted AS (
                    INSERT INTO {table} (source, event_id, status, attempts, payload_sha256, lease_expires_at)
                    SELECT $1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond'
@@ -196,19 +224,24 @@ impl Statements {
                         coalesce({prior_one_takeable}, false)
                    FROM (SELECT 1) one
                    LEFT JOIN inserted c ON true
-                   LEFT JOIN prior p ON true"
+                   LEFT JOIN prior p ON true",
+                guard(6)
             ),
             settle_one: format!(
                 "UPDATE {table}
                     SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
                   WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3
-                 RETURNING 1::int8"
+                    AND {}
+                 RETURNING 1::int8",
+                guard(6)
             ),
             recheck: format!(
                 "SELECT i.ord, e.status, e.payload_sha256,
                         extract(epoch FROM now() - e.received_at)::float8
                    FROM {recheck_arrays} WITH ORDINALITY AS i(source, event_id, ord)
-                   JOIN {table} e USING (source, event_id)"
+                   JOIN {table} e USING (source, event_id)
+                  WHERE {}",
+                guard(3)
             ),
             probe: format!("SELECT 1 FROM {table} LIMIT 0"),
             analyze: format!("ANALYZE {table}"),
@@ -241,6 +274,9 @@ fn unnest_parameters(element_types: &[&str]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use tokio_postgres::error::SqlState;
+    use tokio_postgres::types::{ToSql, Type};
+
     use super::*;
 
     /// What a prepared statement's plans have been on its connection: the
@@ -256,16 +292,23 @@ mod tests {
         (row.get(0), row.get(1))
     }
 
-    #[tokio::test]
-    async fn batches_of_a_few_keys_run_on_the_generic_plan_once_five_have_run() {
+    const OURS: &str = "0123456789abcdef";
+
+    async fn connect() -> tokio_postgres::Client {
         let url = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
         let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
             .await
             .expect("DATABASE_URL names a reachable server");
         tokio::spawn(connection);
+        client
+    }
+
+    #[tokio::test]
+    async fn batches_of_a_few_keys_run_on_the_generic_plan_once_five_have_run() {
+        let client = connect().await;
         // A temporary table: private to this connection, gone with it.
-        let sql = Statements::new("pg_temp.claims");
+        let sql = Statements::new("pg_temp.claims", OURS);
         client.batch_execute(&sql.migrate).await.unwrap();
         // Rows enough that each key's index lookup has a cost: on an empty
         // table the planning a custom plan costs outweighs everything else.
@@ -294,6 +337,7 @@ mod tests {
                         &hashes,
                         &vec![30_000_i64; 2],
                         &vec![false; 2],
+                        &OURS,
                     ],
                 )
                 .await
@@ -308,12 +352,16 @@ mod tests {
                         &vec![1_i32; 2],
                         &vec!["done"; 2],
                         &vec![200_i16; 2],
+                        &OURS,
                     ],
                 )
                 .await
                 .unwrap();
             assert_eq!(settled.len(), 2, "both settled");
-            let rechecked = client.query(&recheck, &[&sources, &keys]).await.unwrap();
+            let rechecked = client
+                .query(&recheck, &[&sources, &keys, &OURS])
+                .await
+                .unwrap();
             assert_eq!(rechecked.len(), 2, "both read back");
         }
         for (name, statement) in [
@@ -328,5 +376,149 @@ mod tests {
                 "{name}: custom and generic plans"
             );
         }
+    }
+
+    async fn run_with(
+        client: &tokio_postgres::Client,
+        statement: &tokio_postgres::Statement,
+        params: &[Box<dyn ToSql + Sync>],
+        instance: &str,
+    ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+        let mut values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|value| &**value).collect();
+        values.push(&instance);
+        client.query(statement, &values).await
+    }
+
+    /// Another process's statement reached under a shared name (through a
+    /// transaction pooler) is given our parameters: its guard refuses them
+    /// before it reads or writes a row, under its custom plans and under its
+    /// generic one, and the refusal is one the store answers by running the
+    /// statement again unnamed.
+    #[tokio::test]
+    async fn a_statement_refuses_another_instances_parameters_and_changes_nothing() {
+        let client = connect().await;
+        let theirs = Statements::new("pg_temp.claims", "fedcba9876543210");
+        client.batch_execute(&theirs.migrate).await.unwrap();
+        client
+            .batch_execute(
+                "INSERT INTO pg_temp.claims (source, event_id, status, attempts, lease_expires_at)
+                   VALUES ('orders', 'done', 'done', 1, NULL),
+                          ('orders', 'failed', 'failed', 1, NULL),
+                          ('orders', 'open', 'processing', 1, now() + interval '1 hour')",
+            )
+            .await
+            .unwrap();
+        let snapshot = || async {
+            let row = client
+                .query_one(
+                    "SELECT string_agg(concat_ws(',', source, event_id, status, attempts, response_status), ';'
+                                       ORDER BY source, event_id)
+                       FROM pg_temp.claims",
+                    &[],
+                )
+                .await
+                .unwrap();
+            row.get::<_, String>(0)
+        };
+        let before = snapshot().await;
+
+        let one = |key: &'static str| -> Vec<Box<dyn ToSql + Sync>> {
+            vec![
+                Box::new("orders"),
+                Box::new(key),
+                Box::new(&b"sha"[..]),
+                Box::new(30_000_i64),
+                Box::new(false),
+            ]
+        };
+        let batch = |key: &'static str| -> Vec<Box<dyn ToSql + Sync>> {
+            vec![
+                Box::new(vec!["orders"; 2]),
+                Box::new(vec![key, "open"]),
+                Box::new(vec![&b"sha"[..]; 2]),
+                Box::new(vec![30_000_i64; 2]),
+                Box::new(vec![false; 2]),
+            ]
+        };
+        let settle_one = |attempt: i32| -> Vec<Box<dyn ToSql + Sync>> {
+            vec![
+                Box::new("orders"),
+                Box::new("open"),
+                Box::new(attempt),
+                Box::new("done"),
+                Box::new(200_i16),
+            ]
+        };
+        let settle = |attempt: i32| -> Vec<Box<dyn ToSql + Sync>> {
+            vec![
+                Box::new(vec!["orders"; 2]),
+                Box::new(vec!["open", "other"]),
+                Box::new(vec![attempt; 2]),
+                Box::new(vec!["done"; 2]),
+                Box::new(vec![200_i16; 2]),
+            ]
+        };
+        let recheck = || -> Vec<Box<dyn ToSql + Sync>> {
+            vec![Box::new(vec!["orders"]), Box::new(vec!["done"])]
+        };
+        // Parameters that would change rows if the statement ran, and
+        // parameters under which it changes nothing (to run it until its
+        // generic plan is in use).
+        type Params = Vec<Box<dyn ToSql + Sync>>;
+        let cases: [(&str, &str, Params, Params); 6] = [
+            ("claim", &theirs.claim, batch("new"), batch("done")),
+            ("claim_one", &theirs.claim_one, one("new"), one("done")),
+            ("retake", &theirs.retake, batch("failed"), batch("done")),
+            ("settle", &theirs.settle, settle(1), settle(9)),
+            (
+                "settle_one",
+                &theirs.settle_one,
+                settle_one(1),
+                settle_one(9),
+            ),
+            ("recheck", &theirs.recheck, recheck(), recheck()),
+        ];
+        for (name, statement, effective, harmless) in cases {
+            // Typed as the store prepares them: `$4 * interval` alone would
+            // make the one-key claim's lease a float.
+            let prepared = match name {
+                "claim_one" => {
+                    let types = [Type::TEXT, Type::TEXT, Type::BYTEA, Type::INT8, Type::BOOL];
+                    client.prepare_typed(statement, &types).await.unwrap()
+                }
+                _ => client.prepare(statement).await.unwrap(),
+            };
+            let run = |params, instance| run_with(&client, &prepared, params, instance);
+            for plan in ["a custom plan", "the generic plan"] {
+                let refused = run(&effective, OURS).await.unwrap_err();
+                assert_eq!(
+                    refused.code(),
+                    Some(&SqlState::DIVISION_BY_ZERO),
+                    "{name}, {plan}: {refused}"
+                );
+                assert!(super::super::lost_named_statement(&refused));
+                assert_eq!(snapshot().await, before, "{name}, {plan}: nothing changed");
+                for _ in 0..6 {
+                    run(&harmless, "fedcba9876543210").await.unwrap();
+                }
+            }
+            let (_, generic) = plans_made(&client, statement).await;
+            assert!(generic > 0, "{name}: the generic plan ran");
+        }
+        let applied = client
+            .query(
+                &client.prepare(&theirs.settle_one).await.unwrap(),
+                &[
+                    &"orders",
+                    &"open",
+                    &1_i32,
+                    &"done",
+                    &200_i16,
+                    &"fedcba9876543210",
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(applied.len(), 1, "its own instance's parameters run it");
     }
 }
