@@ -50,8 +50,10 @@ PGBENCH_KEYS = {
     "cycle": "\\set i random(0, :keys - 1)\n\\set key :nonce * 1000000000000 + 999 * 1000000000 + :i\n",
 }
 # The proxy's parameters, in order, as pgbench variables.
-PGBENCH_PARAMS = {"claim_one": ["source", "key", "sha", "lease_ms", "reject_mismatch"],
-                  "settle_one": ["source", "key", "attempt", "status", "response_status"]}
+# The last is the guard's: the process's instance, also written into the text.
+PGBENCH_PARAMS = {"claim_one": ["source", "key", "sha", "lease_ms", "reject_mismatch", "instance"],
+                  "settle_one": ["source", "key", "attempt", "status", "response_status", "instance"]}
+INSTANCE = "0123456789abcdef"
 # The least a claim can be: the INSERT alone, which on an existing key
 # conflicts and returns nothing. It cannot tell a done key from one to take
 # back or one in flight, so no claim could be just this; it is the floor the
@@ -720,6 +722,13 @@ class Bench:
         fragments = {"table": "processed_events"}
         for name, row, reject, sha in uses:
             fragments[name] = template.group(1).replace("{row}", row).replace("{reject}", reject).replace("{sha}", sha)
+        # And the guard, made by the `guard` closure (see the statements' doc).
+        guard = re.search(r"let guard = \|parameter: &str\| format!\(\s*\"(.*?)\"\s*\)", source, re.S)
+        guards = re.findall(r'let (\w+) = guard\("(.*?)"\);', source)
+        if guards and not guard:
+            raise BenchError(f"no `guard` fragment in {STATEMENTS}")
+        for name, parameter in guards:
+            fragments[name] = guard.group(1).replace("{parameter}", parameter).replace("{instance}", INSTANCE)
         statements = {}
         for name, params in PGBENCH_PARAMS.items():
             m = re.search(rf"\b{name}: format!\(\s*\"(.*?)\"\s*\)", source, re.S)
@@ -863,7 +872,8 @@ class Bench:
         shutil.rmtree(logdir, ignore_errors=True)
         logdir.mkdir()
         variables = {"nonce": nonce, "n": 0, "keys": self.a.keys, "source": ROUTE, "sha": "\\x" + sha,
-                     "lease_ms": LEASE_MS, "reject_mismatch": "false", "attempt": 1, "status": "done", "response_status": 200}
+                     "lease_ms": LEASE_MS, "reject_mismatch": "false", "attempt": 1, "status": "done", "response_status": 200,
+                     "instance": INSTANCE}
         argv = ["pgbench", "-n", "-M", "prepared", "-f", str(script), "-c", str(clients),
                 "-j", str(min(self.a.threads, clients)), "-T", str(max(1, round(duration))),
                 "--log", f"--log-prefix={logdir}/tx", *self.pg.pgbench_conn_args()]

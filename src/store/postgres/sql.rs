@@ -50,7 +50,9 @@ impl Statements {
         );
         // A condition with no column in it: PostgreSQL checks it once, before
         // the statement reads or writes a row.
-        let guard = |parameter: usize| format!("1 / (${parameter}::text = '{instance}')::int = 1");
+        let guard = |parameter: &str| format!("1 / ({parameter}::text = '{instance}')::int = 1");
+        let sixth_guard = guard("$6");
+        let third_guard = guard("$3");
         let (schema, unqualified) = match table_name.rsplit_once('.') {
             Some((schema, unqualified)) => (Some(schema), unqualified),
             None => (None, table_name),
@@ -83,8 +85,7 @@ impl Statements {
         let guarded_input = format!(
             "SELECT * FROM {claim_arrays}
                      WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
-                    WHERE {}",
-            guard(6)
+                    WHERE {sixth_guard}"
         );
         Self {
             table_regclass: table.clone(),
@@ -200,9 +201,8 @@ impl Statements {
                           WITH ORDINALITY AS u(source, event_id, attempt, status, response_status, ord)
                   WHERE e.source = u.source AND e.event_id = u.event_id
                     AND e.status = 'processing' AND e.attempts = u.attempt
-                    AND {}
-                 RETURNING u.ord",
-                guard(6)
+                    AND {sixth_guard}
+                 RETURNING u.ord"
             ),
             // The batch statement's decisions for one key, shaped the same
             // way: `prior` reads the row once, and the INSERT runs only if it
@@ -210,7 +210,7 @@ impl Statements {
             claim_one: format!(
                 "WITH prior AS MATERIALIZED (
                    SELECT status, payload_sha256, received_at, lease_expires_at FROM {table}
-                    WHERE source = $1 AND event_id = $2 AND {}
+                    WHERE source = $1 AND event_id = $2 AND {sixth_guard}
                  ), inserted AS (
                    INSERT INTO {table} (source, event_id, status, attempts, payload_sha256, lease_expires_at)
                    SELECT $1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond'
@@ -224,24 +224,21 @@ impl Statements {
                         coalesce({prior_one_takeable}, false)
                    FROM (SELECT 1) one
                    LEFT JOIN inserted c ON true
-                   LEFT JOIN prior p ON true",
-                guard(6)
+                   LEFT JOIN prior p ON true"
             ),
             settle_one: format!(
                 "UPDATE {table}
                     SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
                   WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3
-                    AND {}
-                 RETURNING 1::int8",
-                guard(6)
+                    AND {sixth_guard}
+                 RETURNING 1::int8"
             ),
             recheck: format!(
                 "SELECT i.ord, e.status, e.payload_sha256,
                         extract(epoch FROM now() - e.received_at)::float8
                    FROM {recheck_arrays} WITH ORDINALITY AS i(source, event_id, ord)
                    JOIN {table} e USING (source, event_id)
-                  WHERE {}",
-                guard(3)
+                  WHERE {third_guard}"
             ),
             probe: format!("SELECT 1 FROM {table} LIMIT 0"),
             analyze: format!("ANALYZE {table}"),
