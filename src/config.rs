@@ -545,10 +545,9 @@ impl Config {
         }
         .map_err(|error| Problem::Parse(error.to_string()))?;
         let mut lines = locate::Lines::of(text);
-        let url_from_env = store_url.is_some();
         if let Some(url) = store_url {
             config.store.url = url;
-            lines.not_in_file("store.url");
+            lines.set_by_environment("store.url", STORE_URL_ENV);
         }
         config.lines = Arc::new(lines);
         let problems = config.validate_with(secrets);
@@ -558,12 +557,7 @@ impl Config {
         Err(Problem::Invalid(
             problems
                 .into_iter()
-                .map(|problem| match problem.strip_prefix("store.url:") {
-                    Some(rest) if url_from_env => {
-                        format!("store.url (from {STORE_URL_ENV}):{rest}")
-                    }
-                    _ => config.lines.annotate(problem),
-                })
+                .map(|problem| config.lines.annotate(problem))
                 .collect(),
         ))
     }

@@ -69,13 +69,10 @@ impl Route {
         let preset = route.provider.map(|provider| provider.preset());
         let key = match (&route.key, &preset) {
             (Some(key), _) => KeySource::from_config(key).map_err(|p| vec![format!("key: {p}")])?,
-            (None, Some(preset)) => preset.key.clone().ok_or_else(|| {
-                vec![format!(
-                    "key: required with provider {}, which sends no event id",
-                    route.provider.map(Provider::name).unwrap_or_default()
-                )]
-            })?,
-            (None, None) => return Err(vec!["key: required without a provider".into()]),
+            (None, preset) => preset
+                .as_ref()
+                .and_then(|preset| preset.key.clone())
+                .ok_or_else(|| vec![missing_key(route.provider)])?,
         };
         let scheme = match (&route.signature, &preset) {
             (Some(signature), _) => Some(Scheme::Body(
@@ -107,6 +104,18 @@ impl Route {
     /// Whether `on_payload_mismatch` is `reject`.
     pub fn rejects_mismatched_bodies(&self) -> bool {
         self.on_payload_mismatch == OnPayloadMismatch::Reject
+    }
+}
+
+/// The problem with a route that names no key and has no preset's to use.
+pub fn missing_key(provider: Option<Provider>) -> String {
+    match provider {
+        None => {
+            "key: required without a provider: `{ header: NAME }` or `{ json: /pointer }`".into()
+        }
+        Some(provider) => format!(
+            "key: required with provider {provider}, which sends no event id: name a field unique to each event, e.g. `{{ json: /payload/object/uuid }}` for Zoom's recording.completed"
+        ),
     }
 }
 

@@ -15,8 +15,15 @@ use yaml_rust2::scanner::Marker;
 /// The line (1-based) of each field and sequence item in a YAML text.
 #[derive(Debug, Default)]
 pub struct Lines {
-    /// `None` for a field whose value comes from elsewhere (the environment).
-    by_path: HashMap<String, Option<usize>>,
+    by_path: HashMap<String, Place>,
+}
+
+/// Where a field's value was written.
+#[derive(Debug, Clone, Copy)]
+enum Place {
+    Line(usize),
+    /// In the named environment variable.
+    Environment(&'static str),
 }
 
 impl Lines {
@@ -31,23 +38,37 @@ impl Lines {
             return Self::default();
         }
         Self {
-            by_path: recorder.lines,
+            by_path: recorder
+                .lines
+                .into_iter()
+                .map(|(path, line)| (path, Place::Line(line)))
+                .collect(),
         }
     }
 
-    /// Marks the field at `path` as set from outside the file: it has no
-    /// line, and does not take that of what encloses it.
-    pub fn not_in_file(&mut self, path: &str) {
-        self.by_path.insert(path.to_owned(), None);
+    /// Marks the field at `path` as set from the environment variable
+    /// `variable`: it has no line, and does not take that of what encloses
+    /// it.
+    pub fn set_by_environment(&mut self, path: &str, variable: &'static str) {
+        self.by_path
+            .insert(path.to_owned(), Place::Environment(variable));
     }
 
     /// The line of the field at `path`, or of the closest enclosing field
     /// written in the file when that one was left to its default.
+    #[cfg(test)]
     pub fn find(&self, path: &str) -> Option<usize> {
+        match self.place(path)? {
+            Place::Line(line) => Some(line),
+            Place::Environment(_) => None,
+        }
+    }
+
+    fn place(&self, path: &str) -> Option<Place> {
         let mut path = path;
         loop {
-            if let Some(&line) = self.by_path.get(path) {
-                return line;
+            if let Some(&place) = self.by_path.get(path) {
+                return Some(place);
             }
             path = &path[..path.rfind(['.', '['])?];
         }
@@ -55,13 +76,15 @@ impl Lines {
 
     /// A validation problem, `FIELD: message` where FIELD may carry a
     /// route's name in parentheses (`routes[0] (orders).path`), with the
-    /// field's line after it: `routes[0] (orders).path (line 7): message`.
+    /// field's line after it: `routes[0] (orders).path (line 7): message`,
+    /// or where it came from: `store.url (from DEDUPE_STORE_URL): message`.
     pub fn annotate(&self, problem: String) -> String {
         let Some((field, message)) = problem.split_once(": ") else {
             return problem;
         };
-        match self.find(&without_names(field)) {
-            Some(line) => format!("{field} (line {line}): {message}"),
+        match self.place(&without_names(field)) {
+            Some(Place::Line(line)) => format!("{field} (line {line}): {message}"),
+            Some(Place::Environment(variable)) => format!("{field} (from {variable}): {message}"),
             None => problem,
         }
     }
@@ -84,7 +107,7 @@ fn without_names(field: &str) -> String {
 
 #[derive(Default)]
 struct Recorder {
-    lines: HashMap<String, Option<usize>>,
+    lines: HashMap<String, usize>,
     open: Vec<Node>,
 }
 
@@ -107,7 +130,7 @@ impl Recorder {
             Some(Node::Sequence { path, next }) => {
                 let item = format!("{path}[{next}]");
                 *next += 1;
-                self.lines.entry(item.clone()).or_insert(Some(mark.line()));
+                self.lines.entry(item.clone()).or_insert(mark.line());
                 item
             }
         };
@@ -133,7 +156,7 @@ impl MarkedEventReceiver for Recorder {
                 }) = self.open.last_mut()
                 {
                     let field = join(path, &text);
-                    self.lines.entry(field).or_insert(Some(mark.line()));
+                    self.lines.entry(field).or_insert(mark.line());
                     *key = Some(text);
                 } else {
                     self.value_path(mark);
@@ -223,7 +246,7 @@ routes:
     #[test]
     fn a_field_set_from_outside_the_file_has_no_line() {
         let mut lines = Lines::of(TEXT);
-        lines.not_in_file("store.url");
+        lines.set_by_environment("store.url", "DEDUPE_STORE_URL");
         assert_eq!(lines.find("store.url"), None);
         assert_eq!(lines.find("store.lease"), Some(4));
     }

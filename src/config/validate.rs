@@ -255,15 +255,16 @@ impl Config {
             }
         }
         match &route.key {
-            None => match route.provider {
-                None => problems.push(format!(
-                    "{at}.key: required without a provider: `{{ header: NAME }}` or `{{ json: /pointer }}`"
-                )),
-                Some(provider) if provider.preset().key.is_none() => problems.push(format!(
-                    "{at}.key: required with provider {provider}, which sends no event id: name a field unique to each event, e.g. `{{ json: /payload/object/uuid }}` for Zoom's recording.completed"
-                )),
-                Some(_) => {}
-            },
+            None if route
+                .provider
+                .is_none_or(|provider| provider.preset().key.is_none()) =>
+            {
+                problems.push(format!(
+                    "{at}.{}",
+                    crate::route::missing_key(route.provider)
+                ));
+            }
+            None => {}
             Some(key) => {
                 if let Err(problem) = crate::key::KeySource::from_config(key) {
                     problems.push(format!("{at}.key: {problem}"));
