@@ -473,7 +473,7 @@ impl Proxy {
             attempt,
             payload_mismatch,
         } = won;
-        let guard = self.open_claims.register(OpenClaim {
+        let registered = self.open_claims.register(OpenClaim {
             source: Arc::clone(&claim.source),
             key: claim.key.clone(),
             attempt,
@@ -482,6 +482,12 @@ impl Proxy {
             first_payload_sha256: (!payload_mismatch).then_some(claim.payload_sha256),
             outcome: None,
         });
+        let Some(guard) = registered else {
+            let settle_started = Instant::now();
+            self.settle(&claim, attempt, Settlement::RELEASED).await;
+            let answer = Answer::Unavailable(Unavailable::ShuttingDown, self.settings.retry_after);
+            return (answer, None, settle_started.elapsed());
+        };
         let dedupe = DedupeHeaders {
             key: key::header_value(claim.key.as_bytes()),
             source: route_source(route),

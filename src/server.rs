@@ -172,15 +172,14 @@ impl Application {
         self.admin.shutting_down.store(true, Ordering::Release);
         let deadline = Instant::now() + self.shutdown_grace;
         let drained = self.serving.drain().await;
-        let open = self.proxy.open_claims().len();
-        if open > 0 {
-            let settles = self
-                .proxy
-                .open_claims()
-                .settle_all(self.proxy.store(), deadline)
-                .await;
+        let settles = self
+            .proxy
+            .open_claims()
+            .settle_all(self.proxy.store(), deadline)
+            .await;
+        if settles.open > 0 {
             tracing::warn!(
-                open,
+                open = settles.open,
                 outcomes_written = settles.outcomes_written,
                 released = settles.released,
                 unwritten = settles.unwritten,

@@ -85,6 +85,8 @@ pub enum Unavailable {
     LeaseTooShort,
     /// Over `limits.max_concurrent_requests`.
     Overloaded,
+    /// Won after shutdown had settled the open claims: released instead.
+    ShuttingDown,
 }
 
 /// The `outcome` of a request refused as malformed.
@@ -172,6 +174,7 @@ impl Answer {
                         "the claim's lease ran short before forwarding; retry later"
                     }
                     Unavailable::Overloaded => "too many concurrent requests; retry later",
+                    Unavailable::ShuttingDown => "the proxy is shutting down; retry later",
                 };
                 with_retry_after(
                     plain(StatusCode::SERVICE_UNAVAILABLE, "unavailable", detail),
@@ -279,6 +282,7 @@ mod tests {
                 Unavailable::Store,
                 Unavailable::LeaseTooShort,
                 Unavailable::Overloaded,
+                Unavailable::ShuttingDown,
             ]
             .map(|why| Answer::Unavailable(why, wait)),
         );

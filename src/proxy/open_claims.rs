@@ -5,7 +5,9 @@
 //! knows it, as the store would compare it.
 //! Shutdown settles what is left: the known outcome when the upstream
 //! answered but the write failed, otherwise `failed`, so senders' retries go
-//! through at once instead of waiting for the lease.
+//! through at once instead of waiting for the lease. From then on the
+//! registry is closed: a claim won later (its body was still arriving, say)
+//! would be left `processing` when the process ends, so it is not forwarded.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +44,8 @@ struct Registry {
     claims: HashMap<u64, OpenClaim>,
     /// The open claims with a known outcome, by route and key.
     decided: HashMap<Arc<str>, HashMap<String, Decided>>,
+    /// Whether shutdown has taken the claims to settle them.
+    closed: bool,
 }
 
 /// The open claims of one key whose outcome is known.
@@ -110,6 +114,8 @@ impl Registry {
 /// What shutdown's final settles did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FinalSettles {
+    /// Claims open when shutdown took them.
+    pub open: usize,
     /// Claims whose upstream had answered: that outcome written.
     pub outcomes_written: usize,
     /// Claims whose upstream had not answered: released (`failed`).
@@ -126,18 +132,33 @@ pub struct ClaimGuard {
 
 impl OpenClaims {
     /// Registers a won claim until the guard is dropped. Its outcome comes
-    /// later, through the guard.
-    pub fn register(self: &Arc<Self>, claim: OpenClaim) -> ClaimGuard {
+    /// later, through the guard. `None` once shutdown has closed the
+    /// registry: the claim must be released, not forwarded.
+    pub fn register(self: &Arc<Self>, claim: OpenClaim) -> Option<ClaimGuard> {
         debug_assert!(
             claim.outcome.is_none(),
             "outcomes are set through the guard"
         );
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.lock().claims.insert(id, claim);
-        ClaimGuard {
+        let mut registry = self.lock();
+        if registry.closed {
+            return None;
+        }
+        registry.claims.insert(id, claim);
+        Some(ClaimGuard {
             registry: Arc::clone(self),
             id,
-        }
+        })
+    }
+
+    /// Takes every open claim and refuses new ones.
+    fn close(&self) -> Vec<OpenClaim> {
+        let closed = Registry {
+            closed: true,
+            ..Registry::default()
+        };
+        let registry = std::mem::replace(&mut *self.lock(), closed);
+        registry.claims.into_values().collect()
     }
 
     /// How many claims are open.
@@ -160,12 +181,12 @@ impl OpenClaims {
         self.len() == 0
     }
 
-    /// Settles every open claim: its known outcome, or released. A write the
-    /// store fails is tried again, at most a second apart, until `deadline`;
-    /// past it the claim is left to its lease.
+    /// Closes the registry and settles every open claim: its known outcome,
+    /// or released. A write the store fails is tried again, at most a second
+    /// apart, until `deadline`; past it the claim is left to its lease.
     pub async fn settle_all(&self, store: &Store, deadline: Instant) -> FinalSettles {
-        let registry = std::mem::take(&mut *self.lock());
-        let mut pending: Vec<OpenClaim> = registry.claims.into_values().collect();
+        let mut pending = self.close();
+        let open = pending.len();
         let (mut outcomes_written, mut released) = (0, 0);
         let mut delay = Duration::from_millis(100);
         loop {
@@ -214,6 +235,7 @@ impl OpenClaims {
                     );
                 }
                 return FinalSettles {
+                    open,
                     outcomes_written,
                     released,
                     unwritten: failed.len(),
@@ -272,8 +294,8 @@ mod tests {
     #[test]
     fn a_key_has_an_unwritten_outcome_from_its_outcome_until_its_last_guard_drops() {
         let claims = Arc::new(OpenClaims::default());
-        let first = claims.register(claim("k"));
-        let second = claims.register(claim("k"));
+        let first = claims.register(claim("k")).unwrap();
+        let second = claims.register(claim("k")).unwrap();
         assert!(
             !has_unwritten_outcome(&claims, "orders", "k"),
             "at the upstream"
@@ -294,26 +316,45 @@ mod tests {
     #[test]
     fn a_retry_is_compared_with_the_first_body_when_it_is_known() {
         let claims = Arc::new(OpenClaims::default());
-        let known = claims.register(claim("known"));
+        let known = claims.register(claim("known")).unwrap();
         known.set_outcome(Settlement::RELEASED);
         let unwritten = claims.unwritten_outcome("orders", "known").unwrap();
         assert!(!unwritten.payload_mismatch(&FIRST));
         assert!(unwritten.payload_mismatch(&OTHER));
 
         // Won with another body than the stored one: the first is unknown.
-        let unknown = claims.register(OpenClaim {
-            first_payload_sha256: None,
-            ..claim("unknown")
-        });
+        let unknown = claims
+            .register(OpenClaim {
+                first_payload_sha256: None,
+                ..claim("unknown")
+            })
+            .unwrap();
         unknown.set_outcome(Settlement::RELEASED);
         let unwritten = claims.unwritten_outcome("orders", "unknown").unwrap();
         assert!(!unwritten.payload_mismatch(&FIRST));
         assert!(!unwritten.payload_mismatch(&OTHER));
 
         // One claim of the key that knows the first body is enough.
-        let knowing = claims.register(claim("unknown"));
+        let knowing = claims.register(claim("unknown")).unwrap();
         knowing.set_outcome(Settlement::RELEASED);
         let unwritten = claims.unwritten_outcome("orders", "unknown").unwrap();
         assert!(unwritten.payload_mismatch(&OTHER));
+    }
+
+    #[test]
+    fn once_closed_the_registry_hands_over_its_claims_and_refuses_new_ones() {
+        let claims = Arc::new(OpenClaims::default());
+        let decided = claims.register(claim("decided")).unwrap();
+        decided.set_outcome(Settlement::RELEASED);
+        let _open = claims.register(claim("open")).unwrap();
+        let mut taken: Vec<String> = claims.close().into_iter().map(|c| c.key).collect();
+        taken.sort();
+        assert_eq!(taken, ["decided", "open"]);
+        assert!(claims.is_empty());
+        assert!(claims.register(claim("late")).is_none());
+        assert!(claims.is_empty());
+        // Guards of taken claims drop without a trace.
+        drop(decided);
+        assert!(claims.close().is_empty());
     }
 }

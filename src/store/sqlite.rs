@@ -92,10 +92,14 @@ impl Statements {
                          OR payload_sha256 = excluded.payload_sha256)
                  RETURNING attempts"
             ),
+            // Fenced as PostgreSQL's is: a `done` may also land on its own
+            // attempt's release.
             settle: format!(
                 "UPDATE {table}
                     SET status = ?4, response_status = ?5, completed_at = ?6, lease_expires_at = NULL
-                  WHERE source = ?1 AND event_id = ?2 AND status = 'processing' AND attempts = ?3"
+                  WHERE source = ?1 AND event_id = ?2 AND attempts = ?3
+                    AND (status = 'processing'
+                         OR (status = 'failed' AND response_status IS NULL AND ?4 = 'done'))"
             ),
             probe: format!("SELECT 1 FROM {table} LIMIT 0"),
         }

@@ -11,11 +11,12 @@ use dedupe_proxy::store::{
 };
 
 use crate::on_both_stores;
-use crate::support::{Backend, Relay, TestStore};
+use crate::support::{Backend, Relay, TestStore, until_waiting_on_locks};
 
 on_both_stores!(
     keys_repeated_within_a_batch_are_each_won_exactly_once,
     concurrent_settles_are_each_fenced_by_their_own_attempt,
+    a_done_queued_beside_its_own_attempts_release_wins_either_way,
     replicas_racing_for_failed_keys_take_each_back_exactly_once,
     in_one_batch_only_the_first_body_takes_failed_keys_back_where_others_are_rejected,
     one_batch_decides_each_key_by_its_own_row,
@@ -218,6 +219,49 @@ async fn concurrent_settles_are_each_fenced_by_their_own_attempt(backend: Backen
         } else {
             assert!(matches!(claim, Claim::InFlight { .. }), "{claim:?}");
         }
+    }
+}
+
+/// Shutdown releases a claim whose upstream answers just then: the two
+/// settles of one attempt may share a batch, in either order, and the
+/// upstream's `done` must be what stays.
+async fn a_done_queued_beside_its_own_attempts_release_wins_either_way(backend: Backend) {
+    let test_store = TestStore::new(backend).await;
+    let store = open(&test_store.url).await;
+    let keys: Vec<String> = (0..100).map(|i| format!("r{i}")).collect();
+    for (_, claim) in claim_all(&store, &keys).await {
+        assert!(matches!(claim.unwrap(), Claim::Won { attempt: 1, .. }));
+    }
+    let done = Settlement {
+        status: SettledStatus::Done,
+        response_status: Some(200),
+    };
+    let settle = |key: &String, settlement: Settlement| {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move { store.settle("src", &key, 1, settlement).await.unwrap() })
+    };
+    let settles: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| {
+            if i % 2 == 0 {
+                let release = settle(key, Settlement::RELEASED);
+                (settle(key, done), release)
+            } else {
+                let done = settle(key, done);
+                (done, settle(key, Settlement::RELEASED))
+            }
+        })
+        .collect();
+    for (key, (done, release)) in keys.iter().zip(settles) {
+        assert!(done.await.unwrap(), "{key}: the done is written");
+        release.await.unwrap();
+        let row = store.show("src", key).await.unwrap().unwrap();
+        assert_eq!(
+            (row.status, row.response_status),
+            (KeyStatus::Done, Some(200)),
+            "{key}"
+        );
     }
 }
 
@@ -751,25 +795,6 @@ async fn claim_behind_uncommitted_insert<'a>(
     let observer = test_store.postgres().await;
     until_waiting_on_locks(&observer, 1).await;
     (insert, claim)
-}
-
-/// Counts this database's sessions waiting on a lock until there are
-/// `waiters`, and returns the query text of those waiting.
-async fn until_waiting_on_locks(observer: &tokio_postgres::Client, waiters: i64) -> Vec<String> {
-    loop {
-        let rows = observer
-            .query(
-                "SELECT query FROM pg_stat_activity
-                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        if rows.len() as i64 >= waiters {
-            return rows.iter().map(|row| row.get(0)).collect();
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
 }
 
 /// What a lock-order test batches: a claim or a settle of one key, answering

@@ -4,7 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::on_both_stores;
-use crate::support::{Backend, Behavior, Gate, Relay, TestApp, TestStore, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::{
+    Backend, Behavior, Gate, Relay, TestApp, TestStore, Upstream, until_waiting_on_locks,
+};
 use dedupe_proxy::config::{Config, Mode, OnUnavailable};
 
 on_both_stores!(
@@ -694,5 +698,104 @@ async fn shutdown_keeps_trying_to_write_known_outcomes_until_the_grace_ends() {
         after.deliver("evt_term", "{}").await.outcome(),
         "duplicate",
         "the outcome was written before exit"
+    );
+}
+
+/// A request still sending its body when the grace period ends is claimed
+/// while shutdown settles the open claims: forwarded then, it would be cut
+/// off when the process ends and leave its key `processing` for the lease,
+/// so it is released and answered 503 instead, without reaching the
+/// application.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_won_while_shutdown_settles_is_released_not_forwarded() {
+    let mut app = TestApp::spawn(Backend::Postgres, |config| {
+        config.shutdown_grace = Duration::from_millis(200);
+    })
+    .await;
+    app.upstream.script("evt_stuck", [Behavior::Hang]);
+    app.upstream.script("evt_late", [Behavior::Hang]);
+    let stuck = {
+        let addr = app.addr;
+        tokio::spawn(async move {
+            let request = http::Request::post(format!("http://{addr}/hooks/orders"))
+                .header("x-event-id", "evt_stuck")
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+                .unwrap();
+            crate::support::client().request(request).await
+        })
+    };
+    app.upstream.wait_for(1).await;
+    // Shutdown's release of evt_stuck waits on this lock, holding shutdown
+    // between closing the registry and the end of the process.
+    let mut locker = app.store.postgres().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM processed_events WHERE source = 'orders' AND event_id = 'evt_stuck' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut late = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    late.write_all(
+        b"POST /hooks/orders HTTP/1.1\r\nhost: proxy\r\nx-event-id: evt_late\r\ncontent-length: 2\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // Both requests are in flight before shutdown begins.
+    let in_flight = async {
+        while !app
+            .admin_get("/metrics")
+            .await
+            .body
+            .lines()
+            .any(|line| line == "dedupe_in_flight_requests 2")
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), in_flight)
+        .await
+        .expect("both requests in flight");
+    app.begin_shutdown();
+    let observer = app.store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+    late.write_all(b"{}").await.unwrap();
+    let mut answer = Vec::new();
+    let mut buffer = [0; 1024];
+    while !String::from_utf8_lossy(&answer).contains("\r\n\r\n") {
+        let read = late.read(&mut buffer).await.unwrap();
+        assert!(read > 0, "answered: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buffer[..read]);
+    }
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("x-dedupe-outcome: unavailable"), "{answer}");
+    lock.commit().await.unwrap();
+    app.shutdown().await;
+    assert!(stuck.await.unwrap().is_err(), "cut off at the deadline");
+    let seen: Vec<_> = app
+        .upstream
+        .seen()
+        .iter()
+        .map(|seen| seen.header("x-event-id").unwrap().to_owned())
+        .collect();
+    assert_eq!(seen, ["evt_stuck"], "the late claim was not forwarded");
+    let rows = observer
+        .query(
+            "SELECT event_id, status, attempts FROM processed_events ORDER BY event_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let rows: Vec<(String, String, i32)> = rows
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("evt_late".to_owned(), "failed".to_owned(), 1),
+            ("evt_stuck".to_owned(), "failed".to_owned(), 1),
+        ]
     );
 }

@@ -20,6 +20,7 @@ on_both_stores!(
     another_body_never_takes_a_key_over_where_it_is_rejected,
     migration_is_idempotent,
     a_released_claim_fences_out_its_owner_and_the_next_delivery_wins,
+    a_done_outcome_lands_on_its_own_release_until_a_retry_takes_the_key,
     show_returns_every_column_and_forget_deletes,
     a_table_named_by_a_reserved_word_works,
 );
@@ -312,10 +313,6 @@ async fn a_released_claim_fences_out_its_owner_and_the_next_delivery_wins(backen
         store.release("src", "k6").await.unwrap(),
         Release::NotProcessing(KeyStatus::Failed)
     );
-    assert!(
-        !store.settle("src", "k6", 1, DONE).await.unwrap(),
-        "the released owner cannot settle"
-    );
     assert_eq!(
         store.claim(&claim).await.unwrap(),
         Claim::Won {
@@ -323,6 +320,10 @@ async fn a_released_claim_fences_out_its_owner_and_the_next_delivery_wins(backen
             from: WonFrom::Failed,
             payload_mismatch: false
         }
+    );
+    assert!(
+        !store.settle("src", "k6", 1, DONE).await.unwrap(),
+        "the released owner cannot settle once the key is taken again"
     );
     assert!(store.settle("src", "k6", 2, DONE).await.unwrap());
     assert_eq!(
@@ -332,6 +333,72 @@ async fn a_released_claim_fences_out_its_owner_and_the_next_delivery_wins(backen
     assert_eq!(
         store.release("src", "nope").await.unwrap(),
         Release::Missing
+    );
+}
+
+/// A claim released while its delivery is still at the upstream (by
+/// shutdown's deadline, or `keys release`): if the upstream then answers
+/// with success before a retry takes the key, the event was processed, and
+/// the key must say so rather than be forwarded again.
+async fn a_done_outcome_lands_on_its_own_release_until_a_retry_takes_the_key(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let failed_500 = Settlement {
+        status: SettledStatus::Failed,
+        response_status: Some(500),
+    };
+    for key in ["released", "answered"] {
+        let claim = request(key, b"body", MINUTE);
+        assert!(matches!(
+            store.claim(&claim).await.unwrap(),
+            Claim::Won { attempt: 1, .. }
+        ));
+    }
+    assert_eq!(
+        store.release("src", "released").await.unwrap(),
+        Release::Released { attempt: 1 }
+    );
+    assert!(
+        !store
+            .settle("src", "released", 1, Settlement::RELEASED)
+            .await
+            .unwrap(),
+        "a failure changes nothing"
+    );
+    assert!(
+        !store
+            .settle("src", "released", 1, failed_500)
+            .await
+            .unwrap(),
+        "a failure changes nothing"
+    );
+    assert!(!store.settle("src", "released", 2, DONE).await.unwrap());
+    assert!(store.settle("src", "released", 1, DONE).await.unwrap());
+    let row = store.show("src", "released").await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.attempts, row.response_status),
+        (KeyStatus::Done, 1, Some(200))
+    );
+    assert!(matches!(
+        store
+            .claim(&request("released", b"body", MINUTE))
+            .await
+            .unwrap(),
+        Claim::Done { .. }
+    ));
+
+    // A failure the upstream answered is that attempt's own outcome: a
+    // `done` for the same attempt cannot follow it.
+    assert!(
+        store
+            .settle("src", "answered", 1, failed_500)
+            .await
+            .unwrap()
+    );
+    assert!(!store.settle("src", "answered", 1, DONE).await.unwrap());
+    let row = store.show("src", "answered").await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.response_status),
+        (KeyStatus::Failed, Some(500))
     );
 }
 

@@ -220,6 +220,28 @@ impl Drop for TestStore {
     }
 }
 
+/// Counts this database's sessions waiting on a lock until there are
+/// `waiters`, and returns the query text of those waiting.
+pub async fn until_waiting_on_locks(
+    observer: &tokio_postgres::Client,
+    waiters: i64,
+) -> Vec<String> {
+    loop {
+        let rows = observer
+            .query(
+                "SELECT query FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        if rows.len() as i64 >= waiters {
+            return rows.iter().map(|row| row.get(0)).collect();
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 // ---------------------------------------------------------------- upstream
 
 /// What the upstream does with a request.

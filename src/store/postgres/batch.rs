@@ -378,21 +378,31 @@ impl BatchRunner {
     }
 
     /// Settles a batch; as with claims, a refused statement is retried one
-    /// key at a time.
+    /// key at a time, and a key queued twice is settled in a later round:
+    /// one statement updates a row once, with whichever of its input rows
+    /// PostgreSQL picks, and a `done` must win over its own attempt's
+    /// release whichever comes first.
     ///
-    /// The batch goes out in key order (byte order, as claims lock theirs):
+    /// A round goes out in key order (byte order, as claims lock theirs):
     /// the statement locks rows in the order of its input, so two batches
     /// sharing keys, or a settle and a claim taking back the same expired
     /// keys, wait on each other instead of deadlocking. Sorting here, not
     /// in the statement, costs the database nothing: a locking sort there
     /// would write a lock record for every row it then updates anyway.
     async fn settle_batch(self, requests: Vec<SettleRequest>) -> Vec<Result<bool, StoreError>> {
-        let mut order: Vec<usize> = (0..requests.len()).collect();
-        order.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
-        let sorted: Vec<&SettleRequest> = order.iter().map(|&i| &requests[i]).collect();
         let mut outcomes = vec![Ok(false); requests.len()];
-        for (index, outcome) in order.into_iter().zip(self.isolated(&sorted).await) {
-            outcomes[index] = outcome;
+        let mut pending: Vec<usize> = (0..requests.len()).collect();
+        while !pending.is_empty() {
+            let mut keys = HashSet::new();
+            let (mut round, later): (Vec<usize>, Vec<usize>) = pending
+                .into_iter()
+                .partition(|&i| keys.insert((&requests[i].source, &requests[i].key)));
+            round.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
+            let sorted: Vec<&SettleRequest> = round.iter().map(|&i| &requests[i]).collect();
+            for (index, outcome) in round.into_iter().zip(self.isolated(&sorted).await) {
+                outcomes[index] = outcome;
+            }
+            pending = later;
         }
         outcomes
     }

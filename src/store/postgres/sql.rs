@@ -75,6 +75,14 @@ impl Statements {
                  AND (NOT {reject} OR {row}.payload_sha256 IS NULL OR {row}.payload_sha256 = {sha})"
             )
         };
+        // Whether a row of the settling attempt takes the settle's
+        // `status`: see `settle` below.
+        let settleable = |row: &str, status: &str| {
+            format!(
+                "({row}status = 'processing'
+                  OR ({row}status = 'failed' AND {row}response_status IS NULL AND {status} = 'done'))"
+            )
+        };
         let claim_arrays = unnest_parameters(&["text", "text", "bytea", "int8", "bool"]);
         let settle_arrays = unnest_parameters(&["text", "text", "int4", "text", "int2"]);
         let recheck_arrays = unnest_parameters(&["text", "text"]);
@@ -82,6 +90,8 @@ impl Statements {
         let prior_one_takeable = takeable("p", "$5", "$3");
         let locked_takeable = takeable("e", "i.reject_mismatch", "i.payload_sha256");
         let latest_takeable = takeable("e", "r.reject_mismatch", "r.payload_sha256");
+        let settleable_one = settleable("", "$4");
+        let settleable = settleable("e.", "u.status");
         let guarded_input = format!(
             "SELECT * FROM {claim_arrays}
                      WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
@@ -193,6 +203,10 @@ impl Statements {
                  RETURNING r.ord, e.attempts, e.payload_sha256, r.status"
             ),
             // Fenced per row: only the attempt that owns a key settles it.
+            // A `done` may also land on its own attempt's release (`failed`
+            // with no response: shutdown's deadline or `keys release`) as
+            // long as no retry has taken the key since: the upstream did act
+            // on it, and a `failed` key would be forwarded again.
             settle: format!(
                 "UPDATE {table} AS e
                     SET status = u.status, response_status = u.response_status,
@@ -200,7 +214,7 @@ impl Statements {
                    FROM {settle_arrays}
                           WITH ORDINALITY AS u(source, event_id, attempt, status, response_status, ord)
                   WHERE e.source = u.source AND e.event_id = u.event_id
-                    AND e.status = 'processing' AND e.attempts = u.attempt
+                    AND e.attempts = u.attempt AND {settleable}
                     AND {sixth_guard}
                  RETURNING u.ord"
             ),
@@ -229,7 +243,7 @@ impl Statements {
             settle_one: format!(
                 "UPDATE {table}
                     SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
-                  WHERE source = $1 AND event_id = $2 AND status = 'processing' AND attempts = $3
+                  WHERE source = $1 AND event_id = $2 AND attempts = $3 AND {settleable_one}
                     AND {sixth_guard}
                  RETURNING 1::int8"
             ),
