@@ -81,6 +81,43 @@ class BenchError(Exception):
     """A failure that makes the run's numbers meaningless."""
 
 
+def pgbench_statements():
+    """The proxy's statements for a batch of one, as pgbench scripts' lines,
+    read from src/store/postgres/sql.rs with their fragments filled in."""
+    source = (ROOT / STATEMENTS).read_text()
+    # The statements share SQL fragments, each made by a closure of
+    # string parameters (`let takeable = |row: &str, …| format!("…")`)
+    # and named by a `let` that calls it (`let prior_takeable =
+    # takeable("p", …);`). The guard's closure also writes in the
+    # process's instance.
+    fragments = {"table": "processed_events"}
+    closures = re.findall(r"let (\w+) = \|([\w\s:&,]*)\|\s*\{?\s*format!\(\s*\"(.*?)\"\s*\)", source, re.S)
+    if not closures:
+        raise BenchError(f"no SQL fragment closures in {STATEMENTS}")
+    for closure, parameters, template in closures:
+        names = [p.split(":")[0].strip() for p in parameters.split(",") if p.strip()]
+        for name, arguments in re.findall(rf"let (\w+) = {closure}\((.*?)\);", source):
+            values = re.findall(r'"(.*?)"', arguments)
+            if len(values) != len(names):
+                raise BenchError(f"`{name}` in {STATEMENTS}: cannot read the arguments of {closure}")
+            fragment = template.replace("{instance}", INSTANCE)
+            for parameter, value in zip(names, values):
+                fragment = fragment.replace(f"{{{parameter}}}", value)
+            fragments[name] = fragment
+    statements = {}
+    for name, params in PGBENCH_PARAMS.items():
+        m = re.search(rf"\b{name}: format!\(\s*\"(.*?)\"\s*\)", source, re.S)
+        if not m:
+            raise BenchError(f"no `{name}` statement in {STATEMENTS}")
+        sql = re.sub(r"\{(\w+)\}", lambda f: fragments.get(f.group(1), f.group(0)), m.group(1))
+        if re.search(r"\{\w*\}", sql):
+            raise BenchError(f"`{name}` in {STATEMENTS} uses a fragment the benchmark cannot fill in: {sql}")
+        for i, var in reversed(list(enumerate(params, 1))):
+            sql = sql.replace(f"${i}", f":{var}")
+        statements[name] = " ".join(sql.split()) + ";\n"
+    return statements
+
+
 # --------------------------------------------------------------------------
 # Scenarios
 
@@ -206,6 +243,9 @@ def parse_args(argv):
     p.add_argument("--profile-scenario", choices=["pg-first", "pg-dup", "proxy-pass"],
                    default=env("BENCH_PROFILE_SCENARIO", "pg-first"),
                    help="the load the proxy is profiled under (BENCH_PROFILE_SCENARIO)")
+    p.add_argument("--check-statements", action="store_true",
+                   help="print the pgbench scripts' statements read from the proxy's source, "
+                        "and fail if one cannot be read; runs nothing")
     p.add_argument("--report", metavar="JSON", default=None,
                    help="print the report of a saved run (bench/results/bench-*.json) again, "
                         "and redraw its plot; runs nothing")
@@ -712,34 +752,7 @@ class Bench:
         one, read from src/store/postgres/sql.rs: a first delivery is the claim
         then the settle, a duplicate the claim alone; and, for duplicates, the
         bare INSERT."""
-        source = (ROOT / STATEMENTS).read_text()
-        # The statements share SQL fragments made by the `takeable` closure.
-        template = re.search(r"let takeable = \|row: &str, reject: &str, sha: &str\| \{\s*format!\(\s*\"(.*?)\"\s*\)",
-                             source, re.S)
-        uses = re.findall(r'let (\w+) = takeable\("(.*?)", "(.*?)", "(.*?)"\);', source)
-        if uses and not template:
-            raise BenchError(f"no `takeable` fragment in {STATEMENTS}")
-        fragments = {"table": "processed_events"}
-        for name, row, reject, sha in uses:
-            fragments[name] = template.group(1).replace("{row}", row).replace("{reject}", reject).replace("{sha}", sha)
-        # And the guard, made by the `guard` closure (see the statements' doc).
-        guard = re.search(r"let guard = \|parameter: &str\| format!\(\s*\"(.*?)\"\s*\)", source, re.S)
-        guards = re.findall(r'let (\w+) = guard\("(.*?)"\);', source)
-        if guards and not guard:
-            raise BenchError(f"no `guard` fragment in {STATEMENTS}")
-        for name, parameter in guards:
-            fragments[name] = guard.group(1).replace("{parameter}", parameter).replace("{instance}", INSTANCE)
-        statements = {}
-        for name, params in PGBENCH_PARAMS.items():
-            m = re.search(rf"\b{name}: format!\(\s*\"(.*?)\"\s*\)", source, re.S)
-            if not m:
-                raise BenchError(f"no `{name}` statement in {STATEMENTS}")
-            sql = re.sub(r"\{(\w+)\}", lambda f: fragments.get(f.group(1), f.group(0)), m.group(1))
-            if re.search(r"\{\w*\}", sql):
-                raise BenchError(f"`{name}` in {STATEMENTS} uses a fragment the benchmark cannot fill in: {sql}")
-            for i, var in reversed(list(enumerate(params, 1))):
-                sql = sql.replace(f"${i}", f":{var}")
-            statements[name] = " ".join(sql.split()) + ";\n"
+        statements = pgbench_statements()
         statements["bare_insert"] = BARE_INSERT
         self.pgbench_scripts = {}
         for name, parts in PGBENCH_SCRIPTS.items():
@@ -1692,6 +1705,14 @@ def plot(summary, conc, path, machine):
 
 def main(argv):
     a = parse_args(argv)
+    if a.check_statements:
+        try:
+            for name, sql in pgbench_statements().items():
+                print(f"{name}: {sql}", end="")
+        except BenchError as e:
+            print(f"bench: {e}", file=sys.stderr)
+            return 1
+        return 0
     if a.report:
         reprint(a.report)
         return 0

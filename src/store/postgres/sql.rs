@@ -91,7 +91,7 @@ impl Statements {
         let locked_takeable = takeable("e", "i.reject_mismatch", "i.payload_sha256");
         let latest_takeable = takeable("e", "r.reject_mismatch", "r.payload_sha256");
         let settleable_one = settleable("", "$4");
-        let settleable = settleable("e.", "u.status");
+        let settleable_each = settleable("e.", "u.status");
         let guarded_input = format!(
             "SELECT * FROM {claim_arrays}
                      WITH ORDINALITY AS i(source, event_id, payload_sha256, lease_ms, reject_mismatch, ord)
@@ -214,7 +214,7 @@ impl Statements {
                    FROM {settle_arrays}
                           WITH ORDINALITY AS u(source, event_id, attempt, status, response_status, ord)
                   WHERE e.source = u.source AND e.event_id = u.event_id
-                    AND e.attempts = u.attempt AND {settleable}
+                    AND e.attempts = u.attempt AND {settleable_each}
                     AND {sixth_guard}
                  RETURNING u.ord"
             ),
