@@ -18,7 +18,7 @@ use http::{HeaderValue, Request, Response, Version, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use sha2::{Digest, Sha256};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, Unavailable};
 pub use open_claims::{OpenClaim, OpenClaims};
@@ -42,7 +42,7 @@ pub struct Proxy {
     /// Counted on every unmatched request, so looked up once.
     unmatched_upstream: UpstreamSeries,
     open_claims: Arc<OpenClaims>,
-    concurrency: Semaphore,
+    concurrency: Arc<Semaphore>,
     settings: Settings,
 }
 
@@ -91,6 +91,13 @@ struct Checked {
     _verified: Verified,
 }
 
+/// A webhook's place under `limits.max_concurrent_requests` and in
+/// `dedupe_in_flight_requests`, held until its processing ends.
+struct Held {
+    _permit: OwnedSemaphorePermit,
+    _in_flight: InFlight,
+}
+
 /// A claim this request won, with enough of its lease left to forward.
 struct Won {
     request: ClaimRequest,
@@ -125,7 +132,7 @@ impl Proxy {
             unmatched_upstream: metrics.upstream_series(UNMATCHED_ROUTE),
             metrics,
             open_claims: Arc::default(),
-            concurrency: Semaphore::new(config.limits.max_concurrent_requests),
+            concurrency: Arc::new(Semaphore::new(config.limits.max_concurrent_requests)),
             settings: Settings {
                 max_body_bytes: config.limits.max_body_bytes,
                 max_key_bytes: config.limits.max_key_bytes,
@@ -166,11 +173,11 @@ impl Proxy {
         peer: Peer,
     ) -> Response<Body> {
         let started = Instant::now();
-        let _in_flight = InFlight::count(&self.metrics.in_flight);
+        let in_flight = InFlight::count(&self.metrics.in_flight);
         let route = self.routes.find(request.method(), request.uri().path());
         let route_name = route.map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let malformed = malformation(&request);
-        let answer = match self.concurrency.try_acquire() {
+        let answer = match Arc::clone(&self.concurrency).try_acquire_owned() {
             _ if let Some(problem) = malformed => {
                 Answer::Rejected(Rejection::BadRequest(problem.into()))
             }
@@ -178,11 +185,15 @@ impl Proxy {
             // Boxed: hyper keeps one slot per connection for this future from
             // the connection's first request to its close, so what it holds
             // inline is memory every idle keep-alive connection pays for.
-            Ok(_permit) => match route {
+            Ok(permit) => match route {
                 // Counted and logged where it is decided, which is not
                 // cancelled when the sender hangs up.
                 Some(route) => {
-                    return Box::pin(self.webhook(route, request, peer, started))
+                    let held = Held {
+                        _permit: permit,
+                        _in_flight: in_flight,
+                    };
+                    return Box::pin(self.webhook(route, request, peer, started, held))
                         .await
                         .into_response();
                 }
@@ -226,13 +237,17 @@ impl Proxy {
     /// Reads a webhook, then runs the rest detached: once the store has been
     /// asked to claim its key, a sender that hangs up must not cancel the
     /// claim's forwarding and settling, or the key would stay `processing`
-    /// until its lease expired (and an effect might go unrecorded).
+    /// until its lease expired (and an effect might go unrecorded). The
+    /// detached part holds the request's place under
+    /// `limits.max_concurrent_requests`: a sender that cancels its HTTP/2
+    /// streams as soon as they are read would otherwise start any number.
     async fn webhook(
         self: &Arc<Self>,
         route: &Arc<Route>,
         request: Request<Incoming>,
         peer: Peer,
         started: Instant,
+        held: Held,
     ) -> Answer {
         let (parts, body) = match self.read(request).await {
             Ok(read) => read,
@@ -242,8 +257,11 @@ impl Proxy {
                 return answer;
             }
         };
-        let task =
-            tokio::spawn(Arc::clone(self).process(Arc::clone(route), parts, body, peer, started));
+        let processing = Arc::clone(self).process(Arc::clone(route), parts, body, peer, started);
+        let task = tokio::spawn(async move {
+            let _held = held;
+            processing.await
+        });
         task.await.unwrap_or_else(|error| {
             let failure = UpstreamError::Failed(format!("webhook task failed: {error}"));
             let answer = Answer::UpstreamError(failure);

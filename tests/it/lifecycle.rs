@@ -570,6 +570,56 @@ async fn a_delivery_whose_http2_stream_is_cancelled_is_still_counted() {
         .expect("the cancelled delivery was counted as forwarded");
 }
 
+/// A cancelled HTTP/2 stream's delivery goes on, and keeps its place under
+/// `limits.max_concurrent_requests` until it ends: otherwise a sender that
+/// cancels every stream once sent would start any number of deliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_http2_stream_keeps_its_place_under_the_concurrency_limit() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.limits.max_concurrent_requests = 1;
+    })
+    .await;
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_held", [Behavior::Gate(Arc::clone(&gate))]);
+    let tcp = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    let mut sender = crate::support::http2_sender(tcp).await;
+    let held = tokio::spawn({
+        let mut sender = sender.clone();
+        async move { crate::support::send_http2(&mut sender, "/hooks/orders", "evt_held").await }
+    });
+    app.upstream.wait_for(1).await;
+    held.abort();
+    assert!(held.await.unwrap_err().is_cancelled());
+    // On the same connection, after the cancellation.
+    let next = crate::support::send_http2(&mut sender, "/hooks/orders", "evt_next").await;
+    assert_eq!(
+        (next.status, next.outcome()),
+        (503, "unavailable"),
+        "{next:?}"
+    );
+    assert_eq!(app.upstream.count(), 1);
+    app.assert_metrics(&["dedupe_in_flight_requests 1"]).await;
+    gate.open();
+    let ended = async {
+        while !app
+            .admin_get("/metrics")
+            .await
+            .body
+            .lines()
+            .any(|line| line == "dedupe_in_flight_requests 0")
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), ended)
+        .await
+        .expect("the cancelled delivery ends");
+    assert_eq!(app.deliver("evt_held", "{}").await.outcome(), "duplicate");
+    let next = app.deliver("evt_next", "{}").await;
+    assert_eq!(next.outcome(), "forwarded", "{next:?}");
+}
+
 /// Delivers `key` again until it is answered `duplicate` (its outcome was
 /// written), every answer before that being `in-flight`, never forwarded.
 async fn redelivered_until_duplicate(app: &TestApp, key: &str) {
