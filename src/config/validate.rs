@@ -119,6 +119,10 @@ impl Config {
             ),
         );
         check(
+            self.limits.max_key_bytes <= MAX_KEY_BYTES_CEILING,
+            format!("limits.max_key_bytes: must be at most {MAX_KEY_BYTES_CEILING}"),
+        );
+        check(
             self.store.pool_size > 0,
             "store.pool_size: must be at least 1".into(),
         );
@@ -372,6 +376,11 @@ fn is_route_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
+/// The longest key a claim can store: PostgreSQL's primary key index takes
+/// entries of at most a third of a page (2,704 bytes), and a key of this
+/// length with a route name of 64 bytes stays under it, compressible or not.
+const MAX_KEY_BYTES_CEILING: usize = 2048;
+
 const MAX_STORE_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The table's index is named `<table>_received_at_idx`, and PostgreSQL
@@ -490,6 +499,14 @@ mod tests {
                 .any(|p| p.starts_with("limits.max_concurrent_requests (line 1): must be at most")),
             "{found:?}"
         );
+        let found = problems(&format!("limits: {{ max_key_bytes: 2049 }}\n{ROUTE}"));
+        assert!(
+            found
+                .iter()
+                .any(|p| p == "limits.max_key_bytes (line 1): must be at most 2048"),
+            "{found:?}"
+        );
+        assert!(parse(&format!("limits: {{ max_key_bytes: 2048 }}\n{ROUTE}")).is_ok());
     }
 
     #[test]

@@ -23,6 +23,7 @@ on_both_stores!(
     a_done_outcome_lands_on_its_own_release_until_a_retry_takes_the_key,
     show_returns_every_column_and_forget_deletes,
     a_table_named_by_a_reserved_word_works,
+    the_longest_key_and_route_name_allowed_are_claimed_and_settled,
 );
 
 async fn open(backend: Backend) -> (TestStore, Store) {
@@ -400,6 +401,33 @@ async fn a_done_outcome_lands_on_its_own_release_until_a_retry_takes_the_key(bac
         (row.status, row.response_status),
         (KeyStatus::Failed, Some(500))
     );
+}
+
+/// `limits.max_key_bytes` may be at most 2048, route names 64 bytes: such a
+/// key, incompressible, must fit PostgreSQL's primary key index.
+async fn the_longest_key_and_route_name_allowed_are_claimed_and_settled(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let source = "r".repeat(64);
+    let mut state: u32 = 7;
+    let key: String = (0..2048)
+        .map(|_| {
+            state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            char::from(b'!' + u8::try_from((state >> 16) % 94).unwrap())
+        })
+        .collect();
+    let claim = ClaimRequest {
+        source: Arc::from(source.as_str()),
+        ..request(&key, b"body", MINUTE)
+    };
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Won { attempt: 1, .. }
+    ));
+    assert!(store.settle(&source, &key, 1, DONE).await.unwrap());
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        Claim::Done { .. }
+    ));
 }
 
 async fn show_returns_every_column_and_forget_deletes(backend: Backend) {
