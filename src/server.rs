@@ -162,6 +162,10 @@ impl Application {
             ));
         }
         let pruner_task = tokio::spawn(self.pruner.run(self.prune_interval, stop.clone()));
+        tokio::spawn(crate::telemetry::report_dropped_lines(
+            DROPPED_LINES_REPORT_INTERVAL,
+            stop.clone(),
+        ));
         let admin = Arc::clone(&self.admin);
         // The admin endpoints outlive the webhook listener: through the
         // drain `/readyz` says so and `/metrics` can still be scraped.
@@ -193,6 +197,9 @@ impl Application {
         tracing::info!("dedupe-proxy stopped");
     }
 }
+
+/// How often dropped log lines are reported.
+const DROPPED_LINES_REPORT_INTERVAL: Duration = Duration::from_secs(10);
 
 /// How many threads serve webhooks: one per core the process may use.
 fn serving_threads() -> usize {

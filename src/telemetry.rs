@@ -1,11 +1,17 @@
 //! Logging set-up: `tracing` to stderr, text or JSON, filtered by `RUST_LOG`
 //! when set and by `log_level` otherwise. Lines are written by a background
-//! thread, so a slow stderr never stalls a request; none are dropped.
+//! thread, so a slow stderr never stalls a request. When stderr stops taking
+//! lines altogether and the queue is full, new lines are dropped rather than
+//! waited for, and a warning says how many once lines go through again: the
+//! serving threads also drive the store's statements, and a stalled claim or
+//! settle costs more than a log line.
 
 use std::io::{self, BufWriter, IsTerminal, Write};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use tracing_appender::non_blocking::WorkerGuard;
+use tokio_util::sync::CancellationToken;
+use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, WorkerGuard};
 use tracing_subscriber::EnvFilter;
 
 /// The log line format.
@@ -18,8 +24,8 @@ pub enum LogFormat {
     Json,
 }
 
-/// Log lines queued for the writer thread before a request that logs waits
-/// for it. The queue is allocated and touched whole at start-up (32 bytes a
+/// Log lines queued for the writer thread; past them, lines are dropped. The
+/// queue is allocated and touched whole at start-up (32 bytes a
 /// line), so the library's default of 128,000 would cost 4 MiB of resident
 /// memory for a burst the writer drains in a fraction of a second anyway.
 const BUFFERED_LINES: usize = 16_384;
@@ -43,10 +49,8 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
         },
         _ => (configured(), None),
     };
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .lossy(false)
-        .buffered_lines_limit(BUFFERED_LINES)
-        .finish(BatchingWriter::new(io::stderr(), WRITE_PAUSE));
+    let (writer, guard) = non_blocking(io::stderr());
+    let _ = DROPPED.set(writer.error_counter());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(io::stderr().is_terminal())
@@ -59,6 +63,42 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
         tracing::warn!(rust_log = %value, %error, "RUST_LOG is not a log filter; using log_level");
     }
     guard
+}
+
+/// Lines dropped because the queue to stderr was full, since start-up.
+static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
+
+/// How many log lines have been dropped since start-up.
+fn dropped_lines() -> usize {
+    DROPPED.get().map_or(0, ErrorCounter::dropped_lines)
+}
+
+/// Every `interval` until `stop`, logs how many lines were dropped since the
+/// last look, if any. The warning is queued like any line: it reaches stderr
+/// once stderr takes lines again.
+pub async fn report_dropped_lines(interval: Duration, stop: CancellationToken) {
+    let mut reported = dropped_lines();
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while stop.run_until_cancelled(ticks.tick()).await.is_some() {
+        let dropped = dropped_lines();
+        if dropped > reported {
+            tracing::warn!(
+                dropped = dropped - reported,
+                "log lines dropped: stderr did not take them, and the queue to it was full"
+            );
+            reported = dropped;
+        }
+    }
+}
+
+/// A queue of [`BUFFERED_LINES`] lines to a writer thread writing to
+/// `output`, dropping lines when it is full.
+fn non_blocking<W: Write + Send + 'static>(output: W) -> (NonBlocking, WorkerGuard) {
+    tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(BUFFERED_LINES)
+        .finish(BatchingWriter::new(output, WRITE_PAUSE))
 }
 
 /// The writer thread's end of the log queue: lines are gathered while the
@@ -130,5 +170,51 @@ mod tests {
         let writes = &writer.lines.get_ref().0;
         assert_eq!(writes.len(), 2);
         assert!(writes.iter().all(|write| write.len() == line.len()));
+    }
+
+    /// Blocks every write until the test lets it go, like a stderr nobody
+    /// reads.
+    struct Stuck(std::sync::mpsc::Receiver<()>);
+
+    impl Write for Stuck {
+        fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            let _ = self.0.recv();
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_stderr_that_takes_nothing_costs_lines_not_waits() {
+        use tracing_subscriber::fmt::MakeWriter;
+        let (unblock, blocked) = std::sync::mpsc::channel();
+        let (writer, guard) = non_blocking(Stuck(blocked));
+        let line = [b'x'; 100];
+        let lines = BUFFERED_LINES + 5_000;
+        let (written, all_written) = std::sync::mpsc::channel();
+        let logging = writer.clone();
+        std::thread::spawn(move || {
+            for _ in 0..lines {
+                logging.make_writer().write_all(&line).unwrap();
+            }
+            let _ = written.send(());
+        });
+        // Bounded, so that a writer that waits fails the test.
+        all_written
+            .recv_timeout(Duration::from_secs(20))
+            .expect("logging never waits for stderr");
+        // Besides the queue, the writer thread holds what its buffer took
+        // before the write that blocks.
+        let held = 64 * 1024 / line.len() + 2;
+        let dropped = writer.error_counter().dropped_lines();
+        assert!(
+            (lines - BUFFERED_LINES - held..=lines - BUFFERED_LINES).contains(&dropped),
+            "{dropped} of {lines} dropped"
+        );
+        drop(unblock);
+        drop(guard);
     }
 }
