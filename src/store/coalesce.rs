@@ -23,6 +23,7 @@ use super::StoreError;
 struct Job<Request, Response> {
     request: Request,
     reply: oneshot::Sender<Result<Response, StoreError>>,
+    queued_at: Instant,
 }
 
 /// How a queue's batches go out.
@@ -37,6 +38,10 @@ pub struct Limits {
     /// Most batches sent behind the one running alone while the last batch
     /// to come back was read-only.
     pub behind: usize,
+    /// How long a request may wait in the queue: its caller gives up then,
+    /// so one still queued is answered [`StoreError::Timeout`] and not run.
+    /// `None`: every request runs, however late.
+    pub give_up_after: Option<Duration>,
 }
 
 /// How a batch goes out, which says which connection it may use.
@@ -110,8 +115,13 @@ where
         request: Request,
     ) -> Result<oneshot::Receiver<Result<Response, StoreError>>, StoreError> {
         let (reply, response) = oneshot::channel();
+        let queued_at = Instant::now();
         self.queue
-            .send(Job { request, reply })
+            .send(Job {
+                request,
+                reply,
+                queued_at,
+            })
             .map_err(|_| stopped())?;
         Ok(response)
     }
@@ -184,6 +194,21 @@ async fn dispatch<Request, Response, Run, Fut>(
                 Err(_) => break,
             }
         }
+        // A claim whose caller gave up while a stuck batch held the slots
+        // would only be won to be released again.
+        if let Some(limit) = limits.give_up_after {
+            let now = Instant::now();
+            let (late, in_time): (Vec<_>, Vec<_>) = batch
+                .into_iter()
+                .partition(|job| now.duration_since(job.queued_at) >= limit);
+            for job in late {
+                let _ = job.reply.send(Err(StoreError::Timeout(limit)));
+            }
+            batch = in_time;
+            if batch.is_empty() {
+                continue;
+            }
+        }
         let run = Arc::clone(&run);
         let read_only = Arc::clone(&read_only);
         tokio::spawn(async move {
@@ -229,6 +254,7 @@ mod tests {
             max_batch,
             stalled_after: Duration::from_millis(10),
             behind: 0,
+            give_up_after: None,
         }
     }
 
@@ -260,13 +286,17 @@ mod tests {
         }
 
         fn with_behind(in_flight: usize, stalled_after: Duration, behind: usize) -> Self {
-            let (started_tx, started) = mpsc::unbounded_channel();
-            let limits = Limits {
+            Self::with_limits(Limits {
                 in_flight,
                 max_batch: 1,
                 stalled_after,
                 behind,
-            };
+                give_up_after: None,
+            })
+        }
+
+        fn with_limits(limits: Limits) -> Self {
+            let (started_tx, started) = mpsc::unbounded_channel();
             let queue = Coalescer::start(
                 limits,
                 move |batch: Vec<(u32, oneshot::Receiver<bool>)>, lane| {
@@ -290,10 +320,15 @@ mod tests {
         }
 
         fn call(&mut self, n: u32) -> tokio::task::JoinHandle<u32> {
+            let answer = self.call_answered(n);
+            tokio::spawn(async move { answer.await.unwrap().unwrap() })
+        }
+
+        fn call_answered(&mut self, n: u32) -> tokio::task::JoinHandle<Result<u32, StoreError>> {
             let (finish, gate) = oneshot::channel();
             self.finish.insert(n, finish);
             let queue = self.queue.clone();
-            tokio::spawn(async move { queue.call((n, gate)).await.unwrap().n })
+            tokio::spawn(async move { queue.call((n, gate)).await.map(|ran| ran.n) })
         }
 
         /// The next batch to start. Bounded, so that a batch that never
@@ -360,6 +395,38 @@ mod tests {
         gated.finish_read_only(2);
         assert_eq!(fourth.await.unwrap(), 4);
         assert_eq!(waiting.await.unwrap(), 2);
+    }
+
+    /// Claims queued behind a batch stuck at the database past the time
+    /// their callers wait are answered timed out, not run: they would only
+    /// be won to be released.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_queued_past_the_time_its_caller_waits_is_not_run() {
+        let limit = Duration::from_secs(1);
+        let mut gated = Gated::with_limits(Limits {
+            in_flight: 1,
+            max_batch: 1,
+            stalled_after: Duration::from_secs(3600),
+            behind: 0,
+            give_up_after: Some(limit),
+        });
+        let stuck = gated.call(0);
+        assert_eq!(gated.next_started().await, Some(0));
+        let late = gated.call_answered(1);
+        tokio::time::sleep(limit).await;
+        let in_time = gated.call(2);
+        gated.finish(0);
+        assert_eq!(stuck.await.unwrap(), 0);
+        assert_eq!(gated.next_started().await, Some(2));
+        assert!(matches!(
+            late.await.unwrap(),
+            Err(StoreError::Timeout(waited)) if waited == limit
+        ));
+        gated.finish(2);
+        assert_eq!(in_time.await.unwrap(), 2);
+        gated
+            .assert_none_starts("the late request never runs")
+            .await;
     }
 
     #[tokio::test(start_paused = true)]

@@ -13,6 +13,7 @@ mod sql;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
@@ -37,6 +38,8 @@ pub struct PostgresStore {
     table: String,
     batches: OnceLock<Batches>,
     home: Home,
+    /// `store.timeout`: how long a claim's caller waits for it.
+    claim_timeout: Duration,
 }
 
 /// A pooled connection, given back to the pool when dropped.
@@ -104,6 +107,7 @@ impl PostgresStore {
             table: config.table.clone(),
             batches: OnceLock::new(),
             home,
+            claim_timeout: config.timeout,
         })
     }
 
@@ -118,7 +122,7 @@ impl PostgresStore {
     fn batches(&self) -> &Batches {
         self.batches.get_or_init(|| {
             let _home = self.home.runtime().map(tokio::runtime::Handle::enter);
-            Batches::start(&self.session, &self.sql)
+            Batches::start(&self.session, &self.sql, self.claim_timeout)
         })
     }
 

@@ -56,19 +56,28 @@ const CLAIMS_BEHIND: usize = 2;
 
 impl Batches {
     /// Starts the claim and settle queues on the current runtime.
-    pub(super) fn start(session: &Arc<Session>, sql: &Arc<Statements>) -> Self {
+    /// Claims still queued `claim_timeout` after they were queued are
+    /// answered timed out (their requests have been answered 503); settles
+    /// always run.
+    pub(super) fn start(
+        session: &Arc<Session>,
+        sql: &Arc<Statements>,
+        claim_timeout: Duration,
+    ) -> Self {
         let pool_size = session.pool.status().max_size;
         let settle_limits = Limits {
             in_flight: BATCHES_IN_FLIGHT.min(pool_size),
             max_batch: MAX_BATCH,
             stalled_after: STALLED_AFTER,
             behind: 0,
+            give_up_after: None,
         };
         // The pipeline holds one connection for as long as batches overlap;
         // a small pool keeps it for the stalled batch's slot and the settles.
         let pipelining = pool_size >= BATCHES_IN_FLIGHT + 2;
         let claim_limits = Limits {
             behind: if pipelining { CLAIMS_BEHIND } else { 0 },
+            give_up_after: Some(claim_timeout),
             ..settle_limits
         };
         let runner = BatchRunner {
