@@ -93,7 +93,8 @@ pub enum KeysCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Delete a key: its next delivery is processed again.
+    /// Delete a key: its next delivery is processed again. A key still
+    /// `processing` under a live lease is kept unless `--force` is given.
     Forget {
         /// The route name.
         source: String,
@@ -101,6 +102,10 @@ pub enum KeysCommand {
         /// it is a number).
         #[arg(allow_negative_numbers = true)]
         key: String,
+        /// Delete a key even while its delivery may still be at the
+        /// application.
+        #[arg(long)]
+        force: bool,
     },
     /// Turn a `processing` key into `failed`: its next delivery is forwarded
     /// now rather than when the lease expires.

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::config::StoreConfig;
 
-pub use keys::{KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources};
+pub use keys::{Forget, KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources};
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 
@@ -185,12 +185,14 @@ pub trait Backend: Send + Sync + 'static {
         source: &str,
         key: &str,
     ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
-    /// Deletes a key, whatever its state; returns whether it existed.
+    /// Deletes a key, unless it is `processing` under a live lease and
+    /// `force` is false.
     fn forget(
         &self,
         source: &str,
         key: &str,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+        force: bool,
+    ) -> impl Future<Output = Result<Forget, StoreError>> + Send;
     /// Turns a `processing` key into `failed`, so the next delivery is
     /// forwarded without waiting for the lease to expire.
     fn release(
@@ -352,8 +354,8 @@ impl Store {
     }
 
     /// See [`Backend::forget`].
-    pub async fn forget(&self, source: &str, key: &str) -> Result<bool, StoreError> {
-        dispatch!(self, backend => backend.forget(source, key))
+    pub async fn forget(&self, source: &str, key: &str, force: bool) -> Result<Forget, StoreError> {
+        dispatch!(self, backend => backend.forget(source, key, force))
     }
 
     /// See [`Backend::release`].

@@ -12,7 +12,7 @@ use super::KeysCommand;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::prune::{PruneError, PrunePlan, Pruner, Round};
-use crate::store::{KeyFilter, KeyRecord, Release, Store, StoreError, StoreUrl};
+use crate::store::{Forget, KeyFilter, KeyRecord, Release, Store, StoreError, StoreUrl};
 
 /// Runs one `keys` subcommand, printing its result on stdout.
 pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
@@ -39,11 +39,17 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
                 None => return Err(missing(config, &source, &key)),
             }
         }
-        KeysCommand::Forget { source, key } => {
-            if !store.forget(&source, &key).await.map_err(explain)? {
-                return Err(missing(config, &source, &key));
+        KeysCommand::Forget { source, key, force } => {
+            match store.forget(&source, &key, force).await.map_err(explain)? {
+                Forget::Forgotten => {
+                    println!("forgot {source} {key}: its next delivery will be processed again");
+                }
+                Forget::Missing => return Err(missing(config, &source, &key)),
+                Forget::InFlight { lease_expires_at } => bail!(
+                    "key `{key}` of source `{source}` is processing, leased until {}: its delivery may still be at the application, and forgotten now, the next delivery would reach it beside that one and the first's outcome could be recorded as the next one's. Wait for the lease to run out, or pass --force",
+                    time(lease_expires_at)
+                ),
             }
-            println!("forgot {source} {key}: its next delivery will be processed again");
         }
         KeysCommand::Release { source, key } => {
             match store.release(&source, &key).await.map_err(explain)? {

@@ -79,6 +79,21 @@ pub struct KeyFilter {
     pub limit: u32,
 }
 
+/// What `forget` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forget {
+    /// The key was deleted.
+    Forgotten,
+    /// No such key.
+    Missing,
+    /// The key is `processing` under a live lease, and was kept: its delivery
+    /// may still be at the application.
+    InFlight {
+        /// When the lease runs out.
+        lease_expires_at: SystemTime,
+    },
+}
+
 /// What `release` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Release {

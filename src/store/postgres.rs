@@ -21,8 +21,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::{
-    Backend, ClaimRequest, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup, Release,
-    Settlement, StoreError,
+    Backend, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup,
+    Release, Settlement, StoreError,
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
@@ -352,8 +352,8 @@ impl Backend for PostgresStore {
         self.show_key(source, key).await
     }
 
-    async fn forget(&self, source: &str, key: &str) -> Result<bool, StoreError> {
-        self.forget_key(source, key).await
+    async fn forget(&self, source: &str, key: &str, force: bool) -> Result<Forget, StoreError> {
+        self.forget_key(source, key, force).await
     }
 
     async fn release(&self, source: &str, key: &str) -> Result<Release, StoreError> {

@@ -13,8 +13,8 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use super::{
-    Backend, Claim, ClaimRequest, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup,
-    Release, Settlement, StoreError, WonFrom, sql_identifier,
+    Backend, Claim, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
+    PruneGroup, Release, Settlement, StoreError, WonFrom, sql_identifier,
 };
 use crate::config::StoreConfig;
 
@@ -419,9 +419,9 @@ impl Backend for SqliteStore {
             .await
     }
 
-    async fn forget(&self, source: &str, key: &str) -> Result<bool, StoreError> {
+    async fn forget(&self, source: &str, key: &str, force: bool) -> Result<Forget, StoreError> {
         let (keys, source, key) = (Arc::clone(&self.keys), source.to_owned(), key.to_owned());
-        self.call(move |connection| keys.forget(connection, &source, &key))
+        self.call(move |connection| keys.forget(connection, &source, &key, force, now_ms()))
             .await
     }
 

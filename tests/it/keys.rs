@@ -20,6 +20,7 @@ on_both_stores!(
     keys_list_and_show_print_json_with_rfc3339_times_and_a_hex_hash,
     keys_show_prints_every_column,
     keys_forget_deletes_a_key_and_a_missing_key_exits_1,
+    keys_forget_keeps_a_key_in_flight_unless_forced,
     keys_release_fails_a_processing_key_and_nothing_else,
     the_commands_report_a_missing_table_without_creating_it,
     prune_deletes_keys_past_their_horizon_or_the_override,
@@ -307,6 +308,29 @@ async fn keys_forget_deletes_a_key_and_a_missing_key_exits_1(backend: Backend) {
         unknown.stderr.contains("no route is named `ordrs`"),
         "{}",
         unknown.stderr
+    );
+}
+
+async fn keys_forget_keeps_a_key_in_flight_unless_forced(backend: Backend) {
+    let (db, config) = seeded(backend).await;
+    let kept = keys(&["keys", "forget", "json", "evt_processing"], &config);
+    assert_eq!(kept.code, 1, "{}", kept.stdout);
+    assert!(
+        kept.stderr
+            .contains("key `evt_processing` of source `json` is processing, leased until")
+            && kept.stderr.contains("--force"),
+        "{}",
+        kept.stderr
+    );
+    assert_eq!(rows::keys(&db).await.len(), 3, "nothing deleted");
+    let forced = keys(
+        &["keys", "forget", "--force", "json", "evt_processing"],
+        &config,
+    );
+    assert_eq!(forced.code, 0, "{}", forced.stderr);
+    assert_eq!(
+        rows::keys(&db).await,
+        ["orders/evt_done", "orders/evt_failed"]
     );
 }
 

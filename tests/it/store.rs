@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use dedupe_proxy::config::StoreConfig;
 use dedupe_proxy::store::{
-    Claim, ClaimRequest, KeyStatus, Release, SettledStatus, Settlement, Store, WonFrom,
+    Claim, ClaimRequest, Forget, KeyStatus, Release, SettledStatus, Settlement, Store, WonFrom,
 };
 
 use crate::on_both_stores;
@@ -24,6 +24,7 @@ on_both_stores!(
     show_returns_every_column_and_forget_deletes,
     a_table_named_by_a_reserved_word_works,
     the_longest_key_and_route_name_allowed_are_claimed_and_settled,
+    a_key_in_flight_is_forgotten_only_by_force_until_its_lease_runs_out,
 );
 
 async fn open(backend: Backend) -> (TestStore, Store) {
@@ -430,6 +431,46 @@ async fn the_longest_key_and_route_name_allowed_are_claimed_and_settled(backend:
     ));
 }
 
+/// Forgotten while its delivery may still be at the application, a key
+/// would be claimed again as attempt 1, and the first delivery's late
+/// outcome would pass the second's fence.
+async fn a_key_in_flight_is_forgotten_only_by_force_until_its_lease_runs_out(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    store
+        .claim(&request("live", b"body", MINUTE))
+        .await
+        .unwrap();
+    let lease = store
+        .show("src", "live")
+        .await
+        .unwrap()
+        .unwrap()
+        .lease_expires_at
+        .unwrap();
+    assert_eq!(
+        store.forget("src", "live", false).await.unwrap(),
+        Forget::InFlight {
+            lease_expires_at: lease
+        }
+    );
+    assert!(store.show("src", "live").await.unwrap().is_some(), "kept");
+    assert_eq!(
+        store.forget("src", "live", true).await.unwrap(),
+        Forget::Forgotten
+    );
+    assert_eq!(store.show("src", "live").await.unwrap(), None);
+
+    store
+        .claim(&request("lapsed", b"body", Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.forget("src", "lapsed", false).await.unwrap(),
+        Forget::Forgotten,
+        "a lapsed lease holds nothing back"
+    );
+}
+
 async fn show_returns_every_column_and_forget_deletes(backend: Backend) {
     let (_db, store) = open(backend).await;
     let claim = request("k7", b"body", MINUTE);
@@ -457,8 +498,14 @@ async fn show_returns_every_column_and_forget_deletes(backend: Backend) {
     assert!(done.completed_at.expect("completed") >= done.received_at);
     assert_eq!(done.received_at, processing.received_at);
 
-    assert!(store.forget("src", "k7").await.unwrap());
-    assert!(!store.forget("src", "k7").await.unwrap());
+    assert_eq!(
+        store.forget("src", "k7", false).await.unwrap(),
+        Forget::Forgotten
+    );
+    assert_eq!(
+        store.forget("src", "k7", false).await.unwrap(),
+        Forget::Missing
+    );
     assert_eq!(store.show("src", "k7").await.unwrap(), None);
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
@@ -497,7 +544,10 @@ async fn a_table_named_by_a_reserved_word_works(backend: Backend) {
         store.show("src", "k9").await.unwrap().map(|k| k.status),
         Some(KeyStatus::Done)
     );
-    assert!(store.forget("src", "k9").await.unwrap());
+    assert_eq!(
+        store.forget("src", "k9", false).await.unwrap(),
+        Forget::Forgotten
+    );
 }
 
 /// Applications often run with a role that may read and write rows but not

@@ -3,15 +3,15 @@
 //! transaction-scoped advisory lock (so it works through a transaction
 //! pooler, and a replica that finds the lock taken skips its turn).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio_postgres::Row;
 use tokio_postgres::types::Type;
 
-use super::{PostgresStore, postgres_error};
+use super::{Params, PostgresStore, postgres_error};
 use crate::store::sql_identifier;
 use crate::store::{
-    KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources, StoreError,
+    Forget, KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources, StoreError,
 };
 
 const COLUMNS: &str = "source, event_id, status, attempts, payload_sha256, response_status, \
@@ -25,6 +25,7 @@ pub(super) struct Statements {
     list: String,
     show: String,
     forget: String,
+    live_lease_for_update: String,
     status_for_update: String,
     release: String,
     prune_only: String,
@@ -43,7 +44,12 @@ impl Statements {
                   LIMIT $3"
             ),
             show: format!("SELECT {COLUMNS} FROM {table} WHERE source = $1 AND event_id = $2"),
-            forget: format!("DELETE FROM {table} WHERE source = $1 AND event_id = $2 RETURNING 1"),
+            forget: format!("DELETE FROM {table} WHERE source = $1 AND event_id = $2"),
+            live_lease_for_update: format!(
+                "SELECT CASE WHEN status = 'processing' AND lease_expires_at > now()
+                             THEN lease_expires_at END
+                   FROM {table} WHERE source = $1 AND event_id = $2 FOR UPDATE"
+            ),
             status_for_update: format!(
                 "SELECT status FROM {table} WHERE source = $1 AND event_id = $2 FOR UPDATE"
             ),
@@ -107,14 +113,34 @@ impl PostgresStore {
         rows.first().map(record).transpose()
     }
 
-    pub(super) async fn forget_key(&self, source: &str, key: &str) -> Result<bool, StoreError> {
-        let deleted = self
-            .query_unnamed(
-                &self.keys.forget,
-                &[(&source, Type::TEXT), (&key, Type::TEXT)],
-            )
-            .await?;
-        Ok(deleted.len() == 1)
+    pub(super) async fn forget_key(
+        &self,
+        source: &str,
+        key: &str,
+        force: bool,
+    ) -> Result<Forget, StoreError> {
+        let mut client = self.client().await?;
+        let transaction = client.transaction().await.map_err(postgres_error)?;
+        let params: &Params<'_> = &[(&source, Type::TEXT), (&key, Type::TEXT)];
+        // Locked, so that no claim takes the key between the look and the
+        // delete.
+        let lease = transaction
+            .query_typed_opt(&self.keys.live_lease_for_update, params)
+            .await
+            .map_err(postgres_error)?;
+        let outcome = match lease.map(|row| row.get::<_, Option<SystemTime>>(0)) {
+            None => Forget::Missing,
+            Some(Some(lease_expires_at)) if !force => Forget::InFlight { lease_expires_at },
+            Some(_) => {
+                transaction
+                    .execute_typed(&self.keys.forget, params)
+                    .await
+                    .map_err(postgres_error)?;
+                Forget::Forgotten
+            }
+        };
+        transaction.commit().await.map_err(postgres_error)?;
+        Ok(outcome)
     }
 
     pub(super) async fn release_key(&self, source: &str, key: &str) -> Result<Release, StoreError> {

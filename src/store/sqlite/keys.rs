@@ -10,7 +10,8 @@ use rusqlite::types::Type;
 use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
 
 use crate::store::{
-    KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources, sql_identifier,
+    Forget, KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources,
+    sql_identifier,
 };
 
 const COLUMNS: &str = "source, event_id, status, attempts, payload_sha256, response_status, \
@@ -20,6 +21,7 @@ pub(super) struct Statements {
     list: String,
     show: String,
     forget: String,
+    live_lease: String,
     status: String,
     release: String,
     prune_only: String,
@@ -38,6 +40,11 @@ impl Statements {
             ),
             show: format!("SELECT {COLUMNS} FROM {table} WHERE source = ?1 AND event_id = ?2"),
             forget: format!("DELETE FROM {table} WHERE source = ?1 AND event_id = ?2"),
+            live_lease: format!(
+                "SELECT CASE WHEN status = 'processing' AND lease_expires_at > ?3
+                             THEN lease_expires_at END
+                   FROM {table} WHERE source = ?1 AND event_id = ?2"
+            ),
             status: format!("SELECT status FROM {table} WHERE source = ?1 AND event_id = ?2"),
             release: format!(
                 "UPDATE {table}
@@ -76,14 +83,32 @@ impl Statements {
 
     pub(super) fn forget(
         &self,
-        connection: &Connection,
+        connection: &mut Connection,
         source: &str,
         key: &str,
-    ) -> rusqlite::Result<bool> {
-        let deleted = connection
-            .prepare_cached(&self.forget)?
-            .execute(params![source, key])?;
-        Ok(deleted == 1)
+        force: bool,
+        now: i64,
+    ) -> rusqlite::Result<Forget> {
+        // IMMEDIATE: the look and the delete are one decision.
+        let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let lease: Option<Option<i64>> = transaction
+            .prepare_cached(&self.live_lease)?
+            .query_row(params![source, key, now], |row| row.get(0))
+            .optional()?;
+        let outcome = match lease {
+            None => Forget::Missing,
+            Some(Some(lease_expires_at)) if !force => Forget::InFlight {
+                lease_expires_at: from_ms(lease_expires_at),
+            },
+            Some(_) => {
+                transaction
+                    .prepare_cached(&self.forget)?
+                    .execute(params![source, key])?;
+                Forget::Forgotten
+            }
+        };
+        transaction.commit()?;
+        Ok(outcome)
     }
 
     pub(super) fn release(
