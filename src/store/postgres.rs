@@ -64,14 +64,7 @@ struct Session {
 impl PostgresStore {
     /// A pool for `url`; connections are made on first use.
     pub fn new(url: &str, config: &StoreConfig) -> Result<Self, StoreError> {
-        let (mut pg_config, tls) =
-            crate::tls::postgres_config(url).map_err(StoreError::Postgres)?;
-        if pg_config.get_connect_timeout().is_none() {
-            pg_config.connect_timeout(config.timeout);
-        }
-        if pg_config.get_application_name().is_none() {
-            pg_config.application_name("dedupe-proxy");
-        }
+        let (pg_config, tls) = connection_config(url, config)?;
         let home = Home::default();
         let connect = HomeConnect {
             tls,
@@ -365,6 +358,39 @@ impl Backend for PostgresStore {
     }
 }
 
+/// How long sent data may go unacknowledged, and an idle connection
+/// unprobed, before the connection is given up, unless the URL says
+/// otherwise (`tcp_user_timeout`, `keepalives_idle`). A server that vanishes
+/// without closing its connections (a failover, a dropped route) would
+/// otherwise hold a statement for the kernel's retransmissions, about 15
+/// minutes, and with it a batch slot of every claim or settle queue.
+const DEAD_CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// tokio-postgres's `keepalives_idle` when the URL does not set it.
+const LIBRARY_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60);
+
+/// The connection settings for `url`, with the proxy's defaults where the
+/// URL sets none.
+fn connection_config(
+    url: &str,
+    config: &StoreConfig,
+) -> Result<(tokio_postgres::Config, crate::tls::PostgresTls), StoreError> {
+    let (mut pg_config, tls) = crate::tls::postgres_config(url).map_err(StoreError::Postgres)?;
+    if pg_config.get_connect_timeout().is_none() {
+        pg_config.connect_timeout(config.timeout);
+    }
+    if pg_config.get_application_name().is_none() {
+        pg_config.application_name("dedupe-proxy");
+    }
+    if pg_config.get_tcp_user_timeout().is_none() {
+        pg_config.tcp_user_timeout(DEAD_CONNECTION_TIMEOUT);
+    }
+    if pg_config.get_keepalives_idle() == LIBRARY_KEEPALIVES_IDLE {
+        pg_config.keepalives_idle(DEAD_CONNECTION_TIMEOUT);
+    }
+    Ok((pg_config, tls))
+}
+
 fn postgres_error(error: tokio_postgres::Error) -> StoreError {
     match error.code() {
         Some(&SqlState::UNDEFINED_TABLE) => StoreError::MissingTable,
@@ -375,5 +401,29 @@ fn postgres_error(error: tokio_postgres::Error) -> StoreError {
             StoreError::Refused(error_chain(&error))
         }
         _ => StoreError::Postgres(error_chain(&error)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_server_is_given_up_on_unless_the_url_says_otherwise() {
+        let config = StoreConfig::default();
+        let (defaults, _) = connection_config("postgres://u@db/app", &config).unwrap();
+        assert_eq!(
+            defaults.get_tcp_user_timeout(),
+            Some(&DEAD_CONNECTION_TIMEOUT)
+        );
+        assert_eq!(defaults.get_keepalives_idle(), DEAD_CONNECTION_TIMEOUT);
+        assert!(defaults.get_keepalives());
+        let (chosen, _) = connection_config(
+            "postgres://u@db/app?tcp_user_timeout=5&keepalives_idle=60",
+            &config,
+        )
+        .unwrap();
+        assert_eq!(chosen.get_tcp_user_timeout(), Some(&Duration::from_secs(5)));
+        assert_eq!(chosen.get_keepalives_idle(), Duration::from_secs(60));
     }
 }
