@@ -199,6 +199,12 @@ pub struct Limits {
     /// Requests handled at once; more get 503.
     #[serde(default = "default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
+    /// Bytes of request bodies held at once, read or being read; a request
+    /// whose body would go past it gets 503. Bodies are read whole before
+    /// their signature is checked, so this bounds the memory unverified
+    /// senders can take.
+    #[serde(default = "default_max_buffered_body_bytes")]
+    pub max_buffered_body_bytes: usize,
     /// Longest time a client may take to send its request headers; slower
     /// connections are closed (slowloris protection).
     #[serde(default = "default_read_timeout", with = "duration")]
@@ -215,6 +221,7 @@ impl Default for Limits {
             max_body_bytes: default_max_body_bytes(),
             max_key_bytes: default_max_key_bytes(),
             max_concurrent_requests: default_max_concurrent_requests(),
+            max_buffered_body_bytes: default_max_buffered_body_bytes(),
             header_read_timeout: default_read_timeout(),
             body_read_timeout: default_read_timeout(),
         }
@@ -663,6 +670,9 @@ fn default_log_level() -> String {
 }
 fn default_max_body_bytes() -> usize {
     1024 * 1024
+}
+fn default_max_buffered_body_bytes() -> usize {
+    64 * 1024 * 1024
 }
 fn default_max_key_bytes() -> usize {
     256

@@ -43,6 +43,8 @@ pub struct Proxy {
     unmatched_upstream: UpstreamSeries,
     open_claims: Arc<OpenClaims>,
     concurrency: Arc<Semaphore>,
+    /// One permit per byte of request body held (`limits.max_buffered_body_bytes`).
+    body_budget: Arc<Semaphore>,
     settings: Settings,
 }
 
@@ -92,10 +94,12 @@ struct Checked {
 }
 
 /// A webhook's place under `limits.max_concurrent_requests` and in
-/// `dedupe_in_flight_requests`, held until its processing ends.
+/// `dedupe_in_flight_requests`, and its body's under
+/// `limits.max_buffered_body_bytes`, held until its processing ends.
 struct Held {
     _permit: OwnedSemaphorePermit,
     _in_flight: InFlight,
+    body: Option<OwnedSemaphorePermit>,
 }
 
 /// A claim this request won, with enough of its lease left to forward.
@@ -133,6 +137,7 @@ impl Proxy {
             metrics,
             open_claims: Arc::default(),
             concurrency: Arc::new(Semaphore::new(config.limits.max_concurrent_requests)),
+            body_budget: Arc::new(Semaphore::new(config.limits.max_buffered_body_bytes)),
             settings: Settings {
                 max_body_bytes: config.limits.max_body_bytes,
                 max_key_bytes: config.limits.max_key_bytes,
@@ -192,6 +197,7 @@ impl Proxy {
                     let held = Held {
                         _permit: permit,
                         _in_flight: in_flight,
+                        body: None,
                     };
                     return Box::pin(self.webhook(route, request, peer, started, held))
                         .await
@@ -247,12 +253,11 @@ impl Proxy {
         request: Request<Incoming>,
         peer: Peer,
         started: Instant,
-        held: Held,
+        mut held: Held,
     ) -> Answer {
-        let (parts, body) = match self.read(request).await {
+        let (parts, body) = match self.read(request, &mut held.body).await {
             Ok(read) => read,
-            Err(rejection) => {
-                let answer = Answer::Rejected(rejection);
+            Err(answer) => {
                 self.record(true, &route.name, &Trace::default(), &answer, started);
                 return answer;
             }
@@ -582,31 +587,73 @@ impl Proxy {
     }
 
     /// Reads the whole body, refusing it past the limit.
-    async fn read(&self, request: Request<Incoming>) -> Result<(Parts, Bytes), Rejection> {
+    /// Reads the whole body, refusing it past the limit, and takes its bytes
+    /// from the buffered-body budget into `budget` as they arrive.
+    async fn read(
+        &self,
+        request: Request<Incoming>,
+        budget: &mut Option<OwnedSemaphorePermit>,
+    ) -> Result<(Parts, Bytes), Answer> {
         let limit = self.settings.max_body_bytes;
         let declared = request
             .headers()
             .get(header::CONTENT_LENGTH)
             .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
         if declared.is_some_and(|length| length > limit as u64) {
-            return Err(Rejection::TooLarge(limit));
+            return Err(Answer::Rejected(Rejection::TooLarge(limit)));
         }
         let (parts, body) = request.into_parts();
-        let collect = Limited::new(body, limit).collect();
-        let Ok(collected) = tokio::time::timeout(self.settings.body_read_timeout, collect).await
-        else {
-            return Err(Rejection::Timeout);
-        };
-        match collected {
-            Ok(collected) => Ok((parts, collected.to_bytes())),
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => {
-                Err(Rejection::TooLarge(limit))
+        let collect = self.collect(Limited::new(body, limit), budget);
+        match tokio::time::timeout(self.settings.body_read_timeout, collect).await {
+            Ok(Ok(body)) => Ok((parts, body)),
+            Ok(Err(Refused::Budget)) => Err(Answer::Unavailable(
+                Unavailable::Overloaded,
+                self.settings.retry_after,
+            )),
+            Ok(Err(Refused::Body(error))) if error.is::<http_body_util::LengthLimitError>() => {
+                Err(Answer::Rejected(Rejection::TooLarge(limit)))
             }
-            Err(error) => Err(Rejection::BadRequest(format!(
+            Ok(Err(Refused::Body(error))) => Err(Answer::Rejected(Rejection::BadRequest(format!(
                 "could not read the request body: {error}"
-            ))),
+            )))),
+            Err(_) => Err(Answer::Rejected(Rejection::Timeout)),
         }
     }
+
+    async fn collect(
+        &self,
+        mut body: Limited<Incoming>,
+        budget: &mut Option<OwnedSemaphorePermit>,
+    ) -> Result<Bytes, Refused> {
+        let mut chunks = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let Ok(chunk) = frame.map_err(Refused::Body)?.into_data() else {
+                continue;
+            };
+            let bytes = u32::try_from(chunk.len()).map_err(|_| Refused::Budget)?;
+            let taken = Arc::clone(&self.body_budget)
+                .try_acquire_many_owned(bytes)
+                .map_err(|_| Refused::Budget)?;
+            match budget {
+                Some(held) => held.merge(taken),
+                None => *budget = Some(taken),
+            }
+            chunks.push(chunk);
+        }
+        Ok(match chunks.len() {
+            0 => Bytes::new(),
+            1 => chunks.pop().expect("one chunk"),
+            _ => Bytes::from(chunks.concat()),
+        })
+    }
+}
+
+/// Why a body was not read whole.
+enum Refused {
+    /// The body, or what it was sent with, was refused.
+    Body(Box<dyn std::error::Error + Send + Sync>),
+    /// `limits.max_buffered_body_bytes` is taken.
+    Budget,
 }
 
 /// Why RFC 9112 has a server refuse the request with 400, if it does: its

@@ -119,6 +119,15 @@ impl Config {
             ),
         );
         check(
+            self.limits.max_buffered_body_bytes >= self.limits.max_body_bytes
+                && self.limits.max_buffered_body_bytes <= tokio::sync::Semaphore::MAX_PERMITS,
+            format!(
+                "limits.max_buffered_body_bytes: must be at least limits.max_body_bytes ({}), and at most {}",
+                self.limits.max_body_bytes,
+                tokio::sync::Semaphore::MAX_PERMITS
+            ),
+        );
+        check(
             self.limits.max_key_bytes <= MAX_KEY_BYTES_CEILING,
             format!("limits.max_key_bytes: must be at most {MAX_KEY_BYTES_CEILING}"),
         );
@@ -507,6 +516,21 @@ mod tests {
             "{found:?}"
         );
         assert!(parse(&format!("limits: {{ max_key_bytes: 2048 }}\n{ROUTE}")).is_ok());
+        let found = problems(&format!(
+            "limits: {{ max_body_bytes: 2000, max_buffered_body_bytes: 1999 }}\n{ROUTE}"
+        ));
+        assert!(
+            found.iter().any(|p| p.starts_with(
+                "limits.max_buffered_body_bytes (line 1): must be at least limits.max_body_bytes (2000)"
+            )),
+            "{found:?}"
+        );
+        assert!(
+            parse(&format!(
+                "limits: {{ max_body_bytes: 2000, max_buffered_body_bytes: 2000 }}\n{ROUTE}"
+            ))
+            .is_ok()
+        );
     }
 
     #[test]

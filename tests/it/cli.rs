@@ -245,6 +245,7 @@ limits:
   max_body_bytes: 1048576
   max_key_bytes: 256
   max_concurrent_requests: 1024
+  max_buffered_body_bytes: 67108864
   header_read_timeout: 30s
   body_read_timeout: 30s
 shutdown_grace: 25s

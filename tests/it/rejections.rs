@@ -15,6 +15,7 @@ on_both_stores!(
     key_with_control_characters_is_rejected_with_400,
     unmatched_requests_can_be_rejected_with_404,
     requests_over_the_concurrency_limit_get_503,
+    bodies_past_the_buffered_body_budget_get_503,
 );
 
 async fn assert_nothing_forwarded(app: &TestApp) {
@@ -122,6 +123,46 @@ async fn requests_over_the_concurrency_limit_get_503(backend: Backend) {
         app.deliver("evt_other", "{}").await.outcome(),
         "forwarded",
         "nothing was claimed"
+    );
+    let metrics = app.admin_get("/metrics").await.body;
+    assert!(
+        metrics.contains(r#"dedupe_requests_total{outcome="overloaded",route="orders"} 1"#),
+        "{metrics}"
+    );
+}
+
+/// A body is held from its first byte until its request ends, so what
+/// senders can make the proxy hold, before any signature is checked, is
+/// bounded by `limits.max_buffered_body_bytes`.
+async fn bodies_past_the_buffered_body_budget_get_503(backend: Backend) {
+    let app = Arc::new(
+        TestApp::spawn(backend, |config| {
+            config.limits.max_body_bytes = 1024;
+            config.limits.max_buffered_body_bytes = 1024;
+        })
+        .await,
+    );
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_held", [Behavior::Gate(Arc::clone(&gate))]);
+    let held_body = format!(r#"{{"pad":"{}"}}"#, "x".repeat(990));
+    let held = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.deliver("evt_held", &held_body).await }
+    });
+    app.upstream.wait_for(1).await;
+    let small = app.deliver("evt_small", "{}").await;
+    assert_eq!(small.outcome(), "forwarded", "2 bytes still fit");
+    let other_body = format!(r#"{{"pad":"{}"}}"#, "y".repeat(90));
+    let refused = app.deliver("evt_other", &other_body).await;
+    assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
+    assert!(refused.header("retry-after").is_some());
+    gate.open();
+    assert_eq!(held.await.unwrap().outcome(), "forwarded");
+    assert_eq!(
+        app.deliver("evt_other", &other_body).await.outcome(),
+        "forwarded",
+        "the budget is back once the held request ends, and nothing was claimed"
     );
     let metrics = app.admin_get("/metrics").await.body;
     assert!(
