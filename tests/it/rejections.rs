@@ -124,11 +124,8 @@ async fn requests_over_the_concurrency_limit_get_503(backend: Backend) {
         "forwarded",
         "nothing was claimed"
     );
-    let metrics = app.admin_get("/metrics").await.body;
-    assert!(
-        metrics.contains(r#"dedupe_requests_total{outcome="overloaded",route="orders"} 1"#),
-        "{metrics}"
-    );
+    app.assert_metrics(&[r#"dedupe_requests_total{outcome="overloaded",route="orders"} 1"#])
+        .await;
 }
 
 /// A body is held from its first byte until its request ends, so what
@@ -164,9 +161,6 @@ async fn bodies_past_the_buffered_body_budget_get_503(backend: Backend) {
         "forwarded",
         "the budget is back once the held request ends, and nothing was claimed"
     );
-    let metrics = app.admin_get("/metrics").await.body;
-    assert!(
-        metrics.contains(r#"dedupe_requests_total{outcome="overloaded",route="orders"} 1"#),
-        "{metrics}"
-    );
+    app.assert_metrics(&[r#"dedupe_requests_total{outcome="overloaded",route="orders"} 1"#])
+        .await;
 }
