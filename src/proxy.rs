@@ -245,8 +245,9 @@ impl Proxy {
     /// claim's forwarding and settling, or the key would stay `processing`
     /// until its lease expired (and an effect might go unrecorded). The
     /// detached part holds the request's place under
-    /// `limits.max_concurrent_requests`: a sender that cancels its HTTP/2
-    /// streams as soon as they are read would otherwise start any number.
+    /// `limits.max_concurrent_requests` and its body's bytes: a sender that
+    /// cancels its HTTP/2 streams as soon as they are read would otherwise
+    /// start any number.
     async fn webhook(
         self: &Arc<Self>,
         route: &Arc<Route>,
@@ -586,7 +587,6 @@ impl Proxy {
         }
     }
 
-    /// Reads the whole body, refusing it past the limit.
     /// Reads the whole body, refusing it past the limit, and takes its bytes
     /// from the buffered-body budget into `budget` as they arrive.
     async fn read(

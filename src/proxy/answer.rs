@@ -83,7 +83,8 @@ pub enum Unavailable {
     Store,
     /// Too little of the lease was left to forward safely.
     LeaseTooShort,
-    /// Over `limits.max_concurrent_requests`.
+    /// Over `limits.max_concurrent_requests`, or a body past
+    /// `limits.max_buffered_body_bytes`.
     Overloaded,
     /// Won after shutdown had settled the open claims: released instead.
     ShuttingDown,
