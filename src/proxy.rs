@@ -453,14 +453,25 @@ impl Proxy {
         if !self.lease_left_too_short(claimed_at) {
             return Decision::Claimed(won);
         }
-        let settle_started = Instant::now();
-        self.settle(&won.request, won.attempt, Settlement::RELEASED)
+        let (answer, settle_time) = self
+            .release_unforwarded(&won.request, won.attempt, Unavailable::LeaseTooShort)
             .await;
-        trace.store_time += settle_started.elapsed();
-        Decision::Answer(Answer::Unavailable(
-            Unavailable::LeaseTooShort,
-            self.settings.retry_after,
-        ))
+        trace.store_time += settle_time;
+        Decision::Answer(answer)
+    }
+
+    /// Releases a won claim that is not to be forwarded; returns the 503
+    /// that says why and the time the release took.
+    async fn release_unforwarded(
+        &self,
+        claim: &ClaimRequest,
+        attempt: i32,
+        why: Unavailable,
+    ) -> (Answer, Duration) {
+        let settle_started = Instant::now();
+        self.settle(claim, attempt, Settlement::RELEASED).await;
+        let answer = Answer::Unavailable(why, self.settings.retry_after);
+        (answer, settle_started.elapsed())
     }
 
     /// Forwards a won claim and settles it before the response goes back.
@@ -507,10 +518,10 @@ impl Proxy {
             outcome: None,
         });
         let Some(guard) = registered else {
-            let settle_started = Instant::now();
-            self.settle(&claim, attempt, Settlement::RELEASED).await;
-            let answer = Answer::Unavailable(Unavailable::ShuttingDown, self.settings.retry_after);
-            return (answer, None, settle_started.elapsed());
+            let (answer, settle_time) = self
+                .release_unforwarded(&claim, attempt, Unavailable::ShuttingDown)
+                .await;
+            return (answer, None, settle_time);
         };
         let dedupe = DedupeHeaders {
             key: key::header_value(claim.key.as_bytes()),

@@ -142,25 +142,10 @@ async fn oversized_and_too_many_headers_are_refused() {
     assert!(status.starts_with("HTTP/1.1 414"), "{status}");
     // Refused before routing, they are counted as unmatched bad requests
     // once their connections have ended, which may be after the answer.
-    let counted = r#"dedupe_requests_total{outcome="rejected_bad_request",route="unmatched"} 4"#;
-    let all_counted = async {
-        while !app
-            .admin_get("/metrics")
-            .await
-            .body
-            .lines()
-            .any(|l| l == counted)
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    if tokio::time::timeout(Duration::from_secs(10), all_counted)
-        .await
-        .is_err()
-    {
-        let metrics = app.admin_get("/metrics").await.body;
-        panic!("{counted} missing from\n{metrics}");
-    }
+    app.wait_for_metric(
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="unmatched"} 4"#,
+    )
+    .await;
     assert_healthy_and_untouched(&app).await;
 }
 

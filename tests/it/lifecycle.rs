@@ -555,19 +555,9 @@ async fn a_delivery_whose_http2_stream_is_cancelled_is_still_counted() {
     assert!(stream.await.unwrap_err().is_cancelled());
     gate.open();
     redelivered_until_duplicate(&app, "evt_reset").await;
-    let forwarded = r#"dedupe_requests_total{outcome="forwarded",route="orders"} 1"#;
-    let counted = async {
-        loop {
-            let metrics = app.admin_get("/metrics").await.body;
-            if metrics.lines().any(|line| line == forwarded) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(5), counted)
-        .await
-        .expect("the cancelled delivery was counted as forwarded");
+    // The cancelled delivery is counted as forwarded.
+    app.wait_for_metric(r#"dedupe_requests_total{outcome="forwarded",route="orders"} 1"#)
+        .await;
 }
 
 /// A cancelled HTTP/2 stream's delivery goes on, and keeps its place under
@@ -601,20 +591,8 @@ async fn a_cancelled_http2_stream_keeps_its_place_under_the_concurrency_limit() 
     assert_eq!(app.upstream.count(), 1);
     app.assert_metrics(&["dedupe_in_flight_requests 1"]).await;
     gate.open();
-    let ended = async {
-        while !app
-            .admin_get("/metrics")
-            .await
-            .body
-            .lines()
-            .any(|line| line == "dedupe_in_flight_requests 0")
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), ended)
-        .await
-        .expect("the cancelled delivery ends");
+    // The cancelled delivery ends.
+    app.wait_for_metric("dedupe_in_flight_requests 0").await;
     assert_eq!(app.deliver("evt_held", "{}").await.outcome(), "duplicate");
     let next = app.deliver("evt_next", "{}").await;
     assert_eq!(next.outcome(), "forwarded", "{next:?}");
@@ -792,20 +770,7 @@ async fn a_claim_won_while_shutdown_settles_is_released_not_forwarded() {
     .await
     .unwrap();
     // Both requests are in flight before shutdown begins.
-    let in_flight = async {
-        while !app
-            .admin_get("/metrics")
-            .await
-            .body
-            .lines()
-            .any(|line| line == "dedupe_in_flight_requests 2")
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), in_flight)
-        .await
-        .expect("both requests in flight");
+    app.wait_for_metric("dedupe_in_flight_requests 2").await;
     app.begin_shutdown();
     let observer = app.store.postgres().await;
     until_waiting_on_locks(&observer, 1).await;

@@ -725,6 +725,30 @@ impl TestApp {
         }
     }
 
+    /// Waits until `/metrics` has `line`, whole: for what the proxy counts
+    /// after it has answered. Bounded, so that a line that never comes fails
+    /// the test, showing what was there.
+    pub async fn wait_for_metric(&self, line: &str) {
+        let present = async {
+            while !self
+                .admin_get("/metrics")
+                .await
+                .body
+                .lines()
+                .any(|l| l == line)
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(10), present)
+            .await
+            .is_err()
+        {
+            let metrics = self.admin_get("/metrics").await.body;
+            panic!("{line} missing from\n{metrics}");
+        }
+    }
+
     /// Asks the proxy to stop (as SIGTERM does) and waits until it has.
     pub async fn shutdown(&mut self) {
         self.stop.cancel();

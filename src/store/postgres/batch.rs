@@ -97,6 +97,28 @@ impl Batches {
     }
 }
 
+/// The indices of `requests` in rounds in which no key comes twice, each
+/// round holding the first of every key still left, in queue order: one
+/// statement decides a row once, so a key's second request waits for the
+/// first's outcome to be committed.
+fn rounds<'a, R, S, K>(requests: &'a [R], key: impl Fn(&'a R) -> (&'a S, &'a K)) -> Vec<Vec<usize>>
+where
+    S: Eq + std::hash::Hash + ?Sized + 'a,
+    K: Eq + std::hash::Hash + ?Sized + 'a,
+{
+    let mut rounds = Vec::new();
+    let mut pending: Vec<usize> = (0..requests.len()).collect();
+    while !pending.is_empty() {
+        let mut keys = HashSet::new();
+        let (round, later): (Vec<usize>, Vec<usize>) = pending
+            .into_iter()
+            .partition(|&i| keys.insert(key(&requests[i])));
+        rounds.push(round);
+        pending = later;
+    }
+    rounds
+}
+
 /// Rows this process has inserted, and when it next analyzes the table.
 ///
 /// A prepared statement keeps the plan PostgreSQL made for it until the
@@ -183,17 +205,11 @@ impl BatchRunner {
 
     async fn claim_rounds(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
         let mut claims: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
-        let mut pending: Vec<usize> = (0..requests.len()).collect();
-        while !pending.is_empty() {
-            let mut keys = HashSet::new();
-            let (round, later): (Vec<usize>, Vec<usize>) = pending
-                .into_iter()
-                .partition(|&i| keys.insert((&*requests[i].source, requests[i].key.as_str())));
+        for round in rounds(requests, |r| (&r.source, &r.key)) {
             let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
             for (slot, claim) in round.iter().zip(self.isolated(&round_requests).await) {
                 claims[*slot] = Some(claim.and_then(std::convert::identity));
             }
-            pending = later;
         }
         let claims: Vec<Result<Claim, StoreError>> = claims
             .into_iter()
@@ -400,18 +416,12 @@ impl BatchRunner {
     /// would write a lock record for every row it then updates anyway.
     async fn settle_batch(self, requests: Vec<SettleRequest>) -> Vec<Result<bool, StoreError>> {
         let mut outcomes = vec![Ok(false); requests.len()];
-        let mut pending: Vec<usize> = (0..requests.len()).collect();
-        while !pending.is_empty() {
-            let mut keys = HashSet::new();
-            let (mut round, later): (Vec<usize>, Vec<usize>) = pending
-                .into_iter()
-                .partition(|&i| keys.insert((&requests[i].source, &requests[i].key)));
+        for mut round in rounds(&requests, |r| (&r.source, &r.key)) {
             round.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
             let sorted: Vec<&SettleRequest> = round.iter().map(|&i| &requests[i]).collect();
             for (index, outcome) in round.into_iter().zip(self.isolated(&sorted).await) {
                 outcomes[index] = outcome;
             }
-            pending = later;
         }
         outcomes
     }
