@@ -10,7 +10,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// What the admin endpoints report on.
 pub struct Admin {
@@ -55,10 +55,19 @@ impl Admin {
         if self.shutting_down.load(Ordering::Acquire) {
             return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
         }
+        let reached = self.store.ping().await;
         if !self.schema_ready.load(Ordering::Acquire) {
-            return text(StatusCode::SERVICE_UNAVAILABLE, "store schema not ready\n");
+            // The start-up migration has not finished: most often because the
+            // store cannot be reached, which is then the reason to give.
+            let reason = match reached {
+                Err(error) if !matches!(error, StoreError::MissingTable(_)) => {
+                    format!("store unavailable: {error}\n")
+                }
+                _ => "store schema not ready: the start-up migration has not finished\n".into(),
+            };
+            return text(StatusCode::SERVICE_UNAVAILABLE, reason);
         }
-        match self.store.ping().await {
+        match reached {
             Ok(()) => text(StatusCode::OK, "ready\n"),
             Err(error) => text(
                 StatusCode::SERVICE_UNAVAILABLE,

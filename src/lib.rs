@@ -47,8 +47,13 @@ pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
+        let cause_text = cause.to_string();
+        // Many errors, tokio-postgres's and deadpool's among them, print
+        // their source as well as returning it.
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
         source = cause.source();
     }
     text

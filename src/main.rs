@@ -79,8 +79,8 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
         match reached.await {
             Ok(()) => eprintln!("store: reachable"),
             // Before the first start or `migrate`, that is expected.
-            Err(StoreError::MissingTable) => eprintln!(
-                "store: reachable; the claims table does not exist yet (`dedupe-proxy migrate`, or start-up with store.migrate: true, creates it)"
+            Err(StoreError::MissingTable(table)) => eprintln!(
+                "store: reachable; the claims table `{table}` does not exist yet (`dedupe-proxy migrate`, or start-up with store.migrate: true, creates it)"
             ),
             Err(error) => return Err(error.into()),
         }
@@ -89,8 +89,14 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
 }
 
 async fn migrate(config: &Config) -> anyhow::Result<()> {
-    Store::open(&config.store)?.migrate().await?;
-    eprintln!("store: schema is up to date");
+    let store = Store::open(&config.store)?;
+    let missing = matches!(store.ping().await, Err(StoreError::MissingTable(_)));
+    store.migrate().await?;
+    if missing {
+        eprintln!("store: created the claims table `{}`", config.store.table);
+    } else {
+        eprintln!("store: schema is up to date");
+    }
     Ok(())
 }
 

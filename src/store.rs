@@ -144,10 +144,20 @@ pub enum StoreError {
     /// SQLite failed.
     #[error("sqlite: {0}")]
     Sqlite(String),
-    /// The claims table does not exist: the schema was never created.
-    #[error("the claims table does not exist (`dedupe-proxy migrate` creates it)")]
-    MissingTable,
+    /// The claims table, named as the database named it, does not exist:
+    /// the schema was never created, or `store.table` names another table.
+    #[error("the claims table `{0}` does not exist (`dedupe-proxy migrate` creates it)")]
+    MissingTable(String),
+    /// `store.table` names a table that lacks the claims table's columns.
+    #[error(
+        "the table `{table}` is not a dedupe-proxy claims table ({problem}): set store.table to the claims table, or to a new name for `dedupe-proxy migrate` to create"
+    )]
+    NotClaimsTable { table: String, problem: String },
 }
+
+/// Every column of the claims table, in both stores.
+pub(crate) const COLUMNS: &str = "source, event_id, status, attempts, payload_sha256, \
+     response_status, received_at, claimed_at, lease_expires_at, completed_at";
 
 /// A queued claim's answer, sent once its statement has committed.
 pub type PendingClaim = oneshot::Receiver<Result<Claim, StoreError>>;

@@ -94,9 +94,8 @@ fn open(config: &Config) -> anyhow::Result<Store> {
 fn explain(config: &Config, error: StoreError) -> anyhow::Error {
     let store = StoreUrl::redact(&config.store.url);
     match error {
-        StoreError::MissingTable => anyhow!(
-            "the table `{}` does not exist in {store}: create it with `dedupe-proxy migrate`",
-            config.store.table
+        StoreError::MissingTable(table) => anyhow!(
+            "the table `{table}` does not exist in {store}: create it with `dedupe-proxy migrate`"
         ),
         other => anyhow::Error::new(other).context(format!("store {store}")),
     }

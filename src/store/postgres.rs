@@ -15,14 +15,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{
+    Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime, TimeoutType,
+};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::{
     Backend, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup,
-    Release, Settlement, StoreError,
+    Release, Settlement, StoreError, StoreUrl,
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
@@ -59,6 +61,8 @@ struct Session {
     /// `sql::Statements`).
     instance: String,
     growth: Growth,
+    /// The server as errors name it: the URL with its password redacted.
+    server: String,
 }
 
 impl PostgresStore {
@@ -94,6 +98,7 @@ impl PostgresStore {
                 named_statements_lost: AtomicBool::new(false),
                 instance: instance.clone(),
                 growth: Growth::new(),
+                server: StoreUrl::redact(url),
             }),
             sql: Arc::new(Statements::new(&config.table, &instance)),
             keys: keys::Statements::new(&config.table),
@@ -137,10 +142,22 @@ impl PostgresStore {
 
 impl Session {
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        self.pool
-            .get()
-            .await
-            .map_err(|error| StoreError::Postgres(error_chain(&error)))
+        self.pool.get().await.map_err(|error| {
+            let server = &self.server;
+            StoreError::Postgres(match error {
+                // deadpool words these as a pool of "objects".
+                PoolError::Backend(error) => {
+                    format!("cannot connect to {server}: {}", error_chain(&error))
+                }
+                PoolError::Timeout(TimeoutType::Create) => {
+                    format!("cannot connect to {server}: timed out")
+                }
+                PoolError::Timeout(TimeoutType::Wait) => {
+                    format!("no connection to {server} came free in time")
+                }
+                other => format!("{server}: {}", error_chain(&other)),
+            })
+        })
     }
 
     /// The connection claim batches are pipelined on: the one the batches
@@ -303,8 +320,12 @@ impl Backend for PostgresStore {
             transaction
                 .batch_execute(&self.sql.migrate)
                 .await
-                .map_err(postgres_error)?;
+                .map_err(|error| self.shape_error(error))?;
         }
+        transaction
+            .simple_query(&self.sql.probe)
+            .await
+            .map_err(|error| self.shape_error(error))?;
         transaction.commit().await.map_err(postgres_error)
     }
 
@@ -314,7 +335,7 @@ impl Backend for PostgresStore {
             .simple_query(&self.sql.probe)
             .await
             .map(drop)
-            .map_err(postgres_error)
+            .map_err(|error| self.shape_error(error))
     }
 
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {
@@ -391,9 +412,23 @@ fn connection_config(
     Ok((pg_config, tls))
 }
 
+impl PostgresStore {
+    /// A column missing from an existing table: `store.table` names some
+    /// other table.
+    fn shape_error(&self, error: tokio_postgres::Error) -> StoreError {
+        match error.as_db_error() {
+            Some(db) if db.code() == &SqlState::UNDEFINED_COLUMN => StoreError::NotClaimsTable {
+                table: self.table.clone(),
+                problem: db.message().to_owned(),
+            },
+            _ => postgres_error(error),
+        }
+    }
+}
+
 fn postgres_error(error: tokio_postgres::Error) -> StoreError {
     match error.code() {
-        Some(&SqlState::UNDEFINED_TABLE) => StoreError::MissingTable,
+        Some(&SqlState::UNDEFINED_TABLE) => StoreError::MissingTable(missing_relation(&error)),
         // The server answered and refused this statement (bad data, deadlock,
         // serialization); connection and shutdown classes aside, the
         // connection itself is fine.
@@ -401,6 +436,16 @@ fn postgres_error(error: tokio_postgres::Error) -> StoreError {
             StoreError::Refused(error_chain(&error))
         }
         _ => StoreError::Postgres(error_chain(&error)),
+    }
+}
+
+/// The relation an `undefined_table` error names: its message reads
+/// `relation "name" does not exist`.
+fn missing_relation(error: &tokio_postgres::Error) -> String {
+    let message = error.as_db_error().map_or("", |db| db.message());
+    match message.split('"').nth(1) {
+        Some(name) if !name.is_empty() => name.to_owned(),
+        _ => message.to_owned(),
     }
 }
 

@@ -13,7 +13,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use super::{
-    Backend, Claim, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
+    Backend, COLUMNS, Claim, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
     PruneGroup, Release, Settlement, StoreError, WonFrom, sql_identifier,
 };
 use crate::config::StoreConfig;
@@ -39,6 +39,7 @@ const MAX_GROUP: usize = 256;
 /// Claims recorded in an SQLite file.
 pub struct SqliteStore {
     jobs: mpsc::Sender<Job>,
+    table: String,
     sql: Statements,
     keys: Arc<keys::Statements>,
 }
@@ -48,7 +49,8 @@ struct Statements {
     prior: String,
     claim: String,
     settle: String,
-    /// Reads nothing from the table: fails if it does not exist.
+    /// Reads nothing from the table: fails if it does not exist or lacks a
+    /// column.
     probe: String,
 }
 
@@ -101,7 +103,7 @@ impl Statements {
                     AND (status = 'processing'
                          OR (status = 'failed' AND response_status IS NULL AND ?4 = 'done'))"
             ),
-            probe: format!("SELECT 1 FROM {table} LIMIT 0"),
+            probe: format!("SELECT {COLUMNS} FROM {table} LIMIT 0"),
         }
     }
 }
@@ -125,22 +127,9 @@ impl SqliteStore {
         if !create && !Path::new(path).exists() {
             // Start-up would create the file, but not its directory, nor a
             // file in a directory it may not write to.
-            let dir = match Path::new(path).parent() {
-                Some(dir) if !dir.as_os_str().is_empty() => dir,
-                _ => Path::new("."),
-            };
-            if !dir.is_dir() {
-                return Err(StoreError::Sqlite(format!(
-                    "cannot open {path}: {} is not a directory",
-                    dir.display()
-                )));
-            }
-            return match can_create_in(dir) {
-                Ok(()) => Err(StoreError::MissingTable),
-                Err(error) => Err(StoreError::Sqlite(format!(
-                    "cannot create {path}: {error} (in {})",
-                    dir.display()
-                ))),
+            return match creatable(path) {
+                Ok(()) => Err(StoreError::MissingTable(config.table.clone())),
+                Err(reason) => Err(StoreError::Sqlite(format!("cannot open {path}: {reason}"))),
             };
         }
         if config.table.contains('.') {
@@ -149,8 +138,17 @@ impl SqliteStore {
                 config.table
             )));
         }
-        let connection = open_connection(Path::new(path), config.timeout, create)
-            .map_err(|error| StoreError::Sqlite(format!("cannot open {path}: {error}")))?;
+        let connection =
+            open_connection(Path::new(path), config.timeout, create).map_err(|error| {
+                // SQLite says only "unable to open database file", whatever
+                // the cause.
+                let reason = match Path::new(path).try_exists() {
+                    Ok(true) if Path::new(path).is_dir() => "it is a directory".to_owned(),
+                    Ok(false) if create => creatable(path).err().unwrap_or(error.to_string()),
+                    _ => error.to_string(),
+                };
+                StoreError::Sqlite(format!("cannot open {path}: {reason}"))
+            })?;
         let (jobs, queue) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("dedupe-sqlite".into())
@@ -158,6 +156,7 @@ impl SqliteStore {
             .map_err(|error| StoreError::Sqlite(error.to_string()))?;
         Ok(Self {
             jobs,
+            table: config.table.clone(),
             sql: Statements::new(&config.table),
             keys: Arc::new(keys::Statements::new(&config.table)),
         })
@@ -285,14 +284,47 @@ fn in_savepoint<T>(
     }
 }
 
+impl SqliteStore {
+    /// A column missing from an existing table: `store.table` names some
+    /// other table.
+    fn shape_error(&self, error: StoreError) -> StoreError {
+        match error {
+            StoreError::Sqlite(problem) if problem.starts_with("no such column") => {
+                StoreError::NotClaimsTable {
+                    table: self.table.clone(),
+                    problem,
+                }
+            }
+            other => other,
+        }
+    }
+}
+
 fn sqlite_error(error: rusqlite::Error) -> StoreError {
     match &error {
         rusqlite::Error::SqliteFailure(_, Some(message))
             if message.starts_with("no such table") =>
         {
-            StoreError::MissingTable
+            let table = message
+                .trim_start_matches("no such table")
+                .trim_start_matches(':');
+            StoreError::MissingTable(table.trim().to_owned())
         }
         _ => StoreError::Sqlite(error.to_string()),
+    }
+}
+
+/// Why the file at `path` could not be created, if it could not.
+fn creatable(path: &str) -> Result<(), String> {
+    let dir = match Path::new(path).parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    match dir.try_exists() {
+        Ok(true) if !dir.is_dir() => Err(format!("{} is not a directory", dir.display())),
+        Ok(true) => can_create_in(dir).map_err(|error| format!("{error} (in {})", dir.display())),
+        Ok(false) => Err(format!("the directory {} does not exist", dir.display())),
+        Err(error) => Err(format!("{error} (in {})", dir.display())),
     }
 }
 
@@ -336,15 +368,20 @@ fn now_ms() -> i64 {
 
 impl Backend for SqliteStore {
     async fn migrate(&self) -> Result<(), StoreError> {
-        let sql = self.sql.migrate.clone();
-        self.call(move |connection| connection.execute_batch(&sql))
-            .await
+        let (sql, probe) = (self.sql.migrate.clone(), self.sql.probe.clone());
+        self.call(move |connection| {
+            connection.execute_batch(&sql)?;
+            connection.prepare(&probe).map(drop)
+        })
+        .await
+        .map_err(|error| self.shape_error(error))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         let probe = self.sql.probe.clone();
         self.call(move |connection| connection.prepare(&probe)?.query([]).map(drop))
             .await
+            .map_err(|error| self.shape_error(error))
     }
 
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {

@@ -394,6 +394,15 @@ fn config_may_come_from_the_environment_and_follow_the_subcommand() {
 fn check_config_connect_fails_when_the_store_is_unreachable() {
     let out = run(&["check-config", "--connect"], Some(VALID), &[]);
     assert_eq!(out.code, 1, "{}", out.stderr);
+    let error = out.stderr.lines().last().unwrap_or_default();
+    assert!(
+        error.contains("cannot connect to postgres://") && error.contains("REDACTED"),
+        "names the server, not its password: {error}"
+    );
+    let words: Vec<&str> = error.split(": ").collect();
+    let mut deduplicated = words.clone();
+    deduplicated.dedup();
+    assert_eq!(words, deduplicated, "each cause once: {error}");
 }
 
 #[test]
@@ -406,7 +415,8 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
     let out = run(&["check-config", "--connect"], Some(&config), &[]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
-        out.stderr.contains("the claims table does not exist yet"),
+        out.stderr
+            .contains("the claims table `processed_events` does not exist yet"),
         "{}",
         out.stderr
     );
@@ -416,9 +426,9 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
     );
     let missing_dir = format!("sqlite://{}", dir.path().join("typo/fresh.db").display());
     for (unusable, error) in [
-        (missing_dir.as_str(), "is not a directory"),
+        (missing_dir.as_str(), "typo does not exist"),
         // Nobody may create a file in /sys, root included.
-        ("sqlite:///sys/fresh.db", "cannot create /sys/fresh.db"),
+        ("sqlite:///sys/fresh.db", "cannot open /sys/fresh.db: "),
     ] {
         let config = config.replace(&url, unusable);
         let out = run(&["check-config", "--connect"], Some(&config), &[]);
@@ -471,6 +481,11 @@ async fn migrate_creates_the_schema() {
         .unwrap()
         .get(0);
     assert_eq!(index, 1);
+    assert!(
+        out.stderr.contains("created the claims table `my_events`"),
+        "{}",
+        out.stderr
+    );
     let again = run(
         &["migrate"],
         Some(&format!(
@@ -480,6 +495,37 @@ async fn migrate_creates_the_schema() {
         &[],
     );
     assert_eq!(again.code, 0, "{}", again.stderr);
+    assert!(
+        again.stderr.contains("schema is up to date"),
+        "{}",
+        again.stderr
+    );
+}
+
+/// A `store.table` naming some other table is refused by name, by the
+/// commands that check the store, before anything is claimed in it.
+#[tokio::test]
+async fn a_table_that_is_not_a_claims_table_is_named_as_such() {
+    for backend in [Backend::Postgres, Backend::Sqlite] {
+        let store = TestStore::new(backend).await;
+        crate::rows::batch(&store, "CREATE TABLE orders (id integer)").await;
+        let config = format!("store: {{ url: '{}', table: orders }}\n", store.url);
+        for command in [&["migrate"][..], &["check-config", "--connect"]] {
+            let out = run(command, Some(&config), &[]);
+            assert_eq!(out.code, 1, "{backend:?} {command:?}: {}", out.stderr);
+            assert!(
+                out.stderr
+                    .contains("the table `orders` is not a dedupe-proxy claims table"),
+                "{backend:?} {command:?}: {}",
+                out.stderr
+            );
+            assert!(
+                !out.stderr.contains("NOTICE"),
+                "{backend:?} {command:?}: {}",
+                out.stderr
+            );
+        }
+    }
 }
 
 #[test]
@@ -509,7 +555,8 @@ fn an_unopenable_sqlite_file_stops_start_up_with_exit_1_naming_it_once() {
         out.stderr
     );
     assert!(
-        out.stderr.contains("/nonexistent-dir/keys.db"),
+        out.stderr
+            .contains("/nonexistent-dir/keys.db: the directory /nonexistent-dir does not exist"),
         "{}",
         out.stderr
     );

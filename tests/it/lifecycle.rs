@@ -397,7 +397,9 @@ async fn readyz_answers_503_while_the_claims_table_is_missing(backend: Backend) 
     let not_ready = app.admin_get("/readyz").await;
     assert_eq!(not_ready.status, 503);
     assert!(
-        not_ready.body.contains("claims table does not exist"),
+        not_ready
+            .body
+            .contains("the claims table `processed_events` does not exist"),
         "{}",
         not_ready.body
     );
@@ -421,7 +423,15 @@ async fn the_proxy_starts_with_the_store_down_and_serves_once_it_answers() {
     })
     .await;
     assert_eq!(app.admin_get("/healthz").await.status, 200);
-    assert_eq!(app.admin_get("/readyz").await.status, 503);
+    let not_ready = app.admin_get("/readyz").await;
+    assert_eq!(not_ready.status, 503);
+    assert!(
+        not_ready
+            .body
+            .starts_with("store unavailable: postgres: cannot connect to postgres://"),
+        "the reason is the store, not the schema: {}",
+        not_ready.body
+    );
     let refused = app.deliver("evt_early", "{}").await;
     assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
     assert_eq!(app.upstream.count(), 0);

@@ -42,7 +42,7 @@ async fn ping(url: &str) -> Result<(), String> {
     let store = Store::open(&config).map_err(|e| e.to_string())?;
     match store.ping().await {
         // The server answered over the connection: only the table is missing.
-        Ok(()) | Err(StoreError::MissingTable) => Ok(()),
+        Ok(()) | Err(StoreError::MissingTable(_)) => Ok(()),
         Err(error) => Err(error.to_string()),
     }
 }

@@ -50,6 +50,14 @@ async fn execute(
     }
 }
 
+/// Runs SQL text that both dialects read alike.
+pub async fn batch(store: &TestStore, sql: &str) {
+    match sqlite_path(store) {
+        Some(path) => sqlite(path).execute_batch(sql).expect(sql),
+        None => store.postgres().await.batch_execute(sql).await.expect(sql),
+    }
+}
+
 /// Moves a key's first delivery (and its claim) `ago` into the past.
 pub async fn age(store: &TestStore, source: &str, key: &str, ago: Duration) {
     let changed = execute(

@@ -1,7 +1,7 @@
 //! The claim, settle and schema statements for one table name, made once at
 //! start-up. What each decides, and why, is in the statements' comments.
 
-use crate::store::sql_identifier;
+use crate::store::{COLUMNS, sql_identifier};
 
 /// The statements the request path and `migrate` run.
 ///
@@ -34,7 +34,8 @@ pub(super) struct Statements {
     /// Reads the keys a claim lost to a row it could not see (see
     /// `BatchRunner::recheck_lost`).
     pub(super) recheck: String,
-    /// Reads nothing from the table: fails if it does not exist.
+    /// Reads nothing from the table: fails if it does not exist or lacks a
+    /// column.
     pub(super) probe: String,
     /// Refreshes the table's statistics (see `Growth`).
     pub(super) analyze: String,
@@ -100,8 +101,11 @@ impl Statements {
         Self {
             table_regclass: table.clone(),
             index_regclass,
+            // Quiet: a table already in place (its index dropped, say) would
+            // otherwise log the server's "already exists, skipping" notice.
             migrate: format!(
-                "CREATE TABLE IF NOT EXISTS {table} (
+                "SET LOCAL client_min_messages = warning;
+                 CREATE TABLE IF NOT EXISTS {table} (
                    source           text        NOT NULL,
                    event_id         text        NOT NULL,
                    status           text        NOT NULL CHECK (status IN ('processing','done','failed')),
@@ -254,7 +258,7 @@ impl Statements {
                    JOIN {table} e USING (source, event_id)
                   WHERE {third_guard}"
             ),
-            probe: format!("SELECT 1 FROM {table} LIMIT 0"),
+            probe: format!("SELECT {COLUMNS} FROM {table} LIMIT 0"),
             analyze: format!("ANALYZE {table}"),
         }
     }
