@@ -52,6 +52,19 @@ impl KeySource {
         }
     }
 
+    /// Where the key is looked for, as a sender without one is told.
+    pub fn describe(&self) -> String {
+        match self {
+            KeySource::Header(names) => {
+                let names: Vec<String> = names.iter().map(|name| format!("`{name}`")).collect();
+                format!("a non-empty {} header", names.join(" or "))
+            }
+            KeySource::Json(pointer) => {
+                format!("a non-empty string or a number at `{pointer}` in the JSON body")
+            }
+        }
+    }
+
     /// The key of a request, `Ok(None)` when it has none, or why it is unusable.
     pub fn extract(
         &self,
@@ -104,6 +117,26 @@ pub fn header_value(key: &[u8]) -> http::HeaderValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_key_is_described_by_where_it_is_looked_for() {
+        assert_eq!(
+            header("X-Event-Id").describe(),
+            "a non-empty `x-event-id` header"
+        );
+        let either = KeySource::Header(vec![
+            HeaderName::from_static("webhook-id"),
+            HeaderName::from_static("svix-id"),
+        ]);
+        assert_eq!(
+            either.describe(),
+            "a non-empty `webhook-id` or `svix-id` header"
+        );
+        assert_eq!(
+            KeySource::Json("/event/id".into()).describe(),
+            "a non-empty string or a number at `/event/id` in the JSON body"
+        );
+    }
 
     fn header(name: &str) -> KeySource {
         KeySource::from_config(&KeyConfig {

@@ -411,9 +411,9 @@ impl Proxy {
             Ok(None) if route.on_missing_key == OnMissingKey::Forward => {
                 ControlFlow::Break(Decision::Pass(PassReason::NotDeduplicated))
             }
-            Ok(None) => {
-                ControlFlow::Break(Decision::Answer(Answer::Rejected(Rejection::MissingKey)))
-            }
+            Ok(None) => ControlFlow::Break(Decision::Answer(Answer::Rejected(
+                Rejection::MissingKey(route.key.describe()),
+            ))),
             Err(error) => ControlFlow::Break(Decision::Answer(Answer::Rejected(
                 Rejection::BadRequest(error.to_string()),
             ))),

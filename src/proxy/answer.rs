@@ -60,8 +60,9 @@ pub enum PassReason {
 /// 4xx reasons.
 #[derive(Debug)]
 pub enum Rejection {
-    /// 400: the route needs a key and the request has none.
-    MissingKey,
+    /// 400: the route needs a key and the request has none; where it was
+    /// looked for.
+    MissingKey(String),
     /// 400: malformed request (bad key, body not JSON, unreadable body).
     BadRequest(String),
     /// 401: signature missing or wrong.
@@ -103,7 +104,7 @@ impl Answer {
             Answer::Passthrough(_, PassReason::Shadow(enforced)) => enforced,
             Answer::Duplicate(_) => "duplicate",
             Answer::InFlight(..) => "in_flight",
-            Answer::Rejected(Rejection::MissingKey) => "rejected_missing_key",
+            Answer::Rejected(Rejection::MissingKey(_)) => "rejected_missing_key",
             // An unmatched request refused with 404 is told apart by its
             // `route="unmatched"` label; the outcome stays one of the
             // documented values.
@@ -203,9 +204,9 @@ impl Answer {
 impl Rejection {
     fn status_and_detail(&self) -> (StatusCode, String) {
         match self {
-            Rejection::MissingKey => (
+            Rejection::MissingKey(expected) => (
                 StatusCode::BAD_REQUEST,
-                "no idempotency key found in the request".into(),
+                format!("no idempotency key found in the request: expected {expected}"),
             ),
             Rejection::BadRequest(detail) => (StatusCode::BAD_REQUEST, detail.clone()),
             Rejection::Signature(detail) => (StatusCode::UNAUTHORIZED, detail.clone()),
@@ -268,7 +269,7 @@ mod tests {
         ];
         answers.extend(
             [
-                Rejection::MissingKey,
+                Rejection::MissingKey(String::new()),
                 Rejection::BadRequest(String::new()),
                 Rejection::Signature(String::new()),
                 Rejection::NoRoute,

@@ -31,14 +31,21 @@ async fn missing_key_is_rejected_with_400(backend: Backend) {
     let response = app.post("/hooks/orders", &[], "{}").await;
     assert_eq!((response.status, response.outcome()), (400, "rejected"));
     assert!(
-        response.body.contains("no idempotency key"),
-        "{}",
+        response.body.contains(
+            "no idempotency key found in the request: expected a non-empty `x-event-id` header"
+        ),
+        "names where the key was looked for: {}",
         response.body
     );
     let empty = app.post("/hooks/orders", &[("x-event-id", "")], "{}").await;
     assert_eq!(empty.status, 400);
     let no_id = app.post("/hooks/json", &[], r#"{"type":"x"}"#).await;
     assert_eq!(no_id.status, 400);
+    assert!(
+        no_id.body.contains("at `/id` in the JSON body"),
+        "{}",
+        no_id.body
+    );
     assert_nothing_forwarded(&app).await;
     let metrics = app.admin_get("/metrics").await.body;
     assert!(
