@@ -31,12 +31,13 @@ pub const UNMATCHED_ROUTE: &str = "unmatched";
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Address the webhook listener binds.
-    #[serde(default = "default_listen")]
+    /// Address the webhook listener binds, as `IP:PORT`.
+    #[serde(default = "default_listen", deserialize_with = "listen_address")]
     pub listen: SocketAddr,
-    /// Address of the admin listener (`/metrics`, `/healthz`, `/readyz`).
-    /// Loopback by default: it is not meant to be reachable by senders.
-    #[serde(default = "default_admin_listen")]
+    /// Address of the admin listener (`/metrics`, `/healthz`, `/readyz`), as
+    /// `IP:PORT`. Loopback by default: it is not meant to be reachable by
+    /// senders.
+    #[serde(default = "default_admin_listen", deserialize_with = "listen_address")]
     pub admin_listen: SocketAddr,
     /// Optional inbound TLS on `listen`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -550,7 +551,7 @@ impl Config {
         } else {
             serde_yaml::from_str(text)
         }
-        .map_err(|error| Problem::Parse(error.to_string()))?;
+        .map_err(|error| Problem::Parse(parse_message(&error)))?;
         let mut lines = locate::Lines::of(text);
         if let Some(url) = store_url {
             config.store.url = url;
@@ -614,6 +615,30 @@ impl Config {
     }
 }
 
+/// serde_yaml's message in the file's terms rather than Rust's.
+fn parse_message(error: &serde_yaml::Error) -> String {
+    let mut message = error.to_string();
+    for rust in ["usize", "u64", "u32", "u16", "u8"] {
+        message = message.replace(&format!("expected {rust}"), "expected a whole number");
+    }
+    if let Some(start) = message.find("expected struct ") {
+        let name_end = message[start + "expected struct ".len()..]
+            .find(|c: char| !c.is_alphanumeric())
+            .map_or(message.len(), |end| start + "expected struct ".len() + end);
+        message.replace_range(start..name_end, "expected a mapping of fields");
+    }
+    // serde_yaml leaves out a location at the very start of the file, which
+    // is where an unknown first key is.
+    if message.starts_with("unknown field")
+        && !message.contains(" at line ")
+        && let Some(location) = error.location()
+    {
+        let (line, column) = (location.line(), location.column());
+        message.push_str(&format!(" at line {line} column {column}"));
+    }
+    message
+}
+
 /// Why YAML text is not a valid configuration.
 #[derive(Debug)]
 pub enum Problem {
@@ -621,6 +646,36 @@ pub enum Problem {
     Parse(String),
     /// Values are invalid; one line each.
     Invalid(Vec<String>),
+}
+
+/// An `IP:PORT` address, refused with an example of one: a port alone or a
+/// host name is the usual slip.
+fn listen_address<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<SocketAddr, D::Error> {
+    struct Address;
+    impl serde::de::Visitor<'_> for Address {
+        type Value = SocketAddr;
+
+        fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+            formatter.write_str("an IP:PORT address such as 0.0.0.0:8080")
+        }
+
+        fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<SocketAddr, E> {
+            text.parse().map_err(|_| {
+                E::custom(format!(
+                    "`{text}` is not an IP:PORT address such as 0.0.0.0:8080 or [::]:8080 (host names are not accepted)"
+                ))
+            })
+        }
+
+        fn visit_u64<E: serde::de::Error>(self, port: u64) -> Result<SocketAddr, E> {
+            Err(E::custom(format!(
+                "`{port}` is not an IP:PORT address: write 0.0.0.0:{port} to listen on every interface"
+            )))
+        }
+    }
+    deserializer.deserialize_any(Address)
 }
 
 fn default_listen() -> SocketAddr {
@@ -734,6 +789,40 @@ mod tests {
         assert_eq!(config.defaults.duplicate_status, 200);
         assert_eq!(config.defaults.in_flight_status, 409);
         assert_eq!(config.unmatched, Unmatched::Forward);
+    }
+
+    fn parse_error(text: &str) -> String {
+        match parse(text) {
+            Err(Problem::Parse(message)) => message,
+            other => panic!("{text:?} parsed: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parse_errors_speak_of_the_file_not_of_rust_types() {
+        assert_eq!(
+            parse_error("listen: 8080"),
+            "listen: `8080` is not an IP:PORT address: write 0.0.0.0:8080 to listen on every interface at line 1 column 9"
+        );
+        assert!(parse_error("admin_listen: localhost:9090").starts_with(
+            "admin_listen: `localhost:9090` is not an IP:PORT address such as 0.0.0.0:8080"
+        ),);
+        let upstream = parse_error("upstream: http://app:3000");
+        assert!(
+            upstream.contains("expected a mapping of fields at line 1"),
+            "{upstream}"
+        );
+        let number = parse_error("limits: { max_body_bytes: lots }");
+        assert!(
+            number.contains("expected a whole number at line 1"),
+            "{number}"
+        );
+        let first = parse_error("lisen: 0.0.0.0:8080");
+        assert!(first.ends_with(" at line 1 column 1"), "{first}");
+        assert_eq!(
+            parse("listen: '[::1]:8080'").unwrap().listen,
+            "[::1]:8080".parse().unwrap()
+        );
     }
 
     #[test]

@@ -37,7 +37,12 @@ async fn main() -> ExitCode {
         }
     };
     let _log_writer = telemetry::init(cli.log_format, &config.log_level);
-    for warning in config.warnings() {
+    // The warnings are about serving; the store's commands leave them out.
+    let warnings = match command {
+        Command::Run | Command::CheckConfig { .. } => config.warnings(),
+        Command::Migrate | Command::Keys { .. } | Command::Prune { .. } => Vec::new(),
+    };
+    for warning in warnings {
         // check-config exists to show them: a quiet log filter must not.
         if matches!(command, Command::CheckConfig { .. }) {
             eprintln!("warning: {warning}");

@@ -170,7 +170,7 @@ fn verifier(route: &RouteConfig, scheme: Scheme) -> Result<Verifier, Vec<String>
         return Err(problems);
     }
     let tolerance = route.tolerance.unwrap_or(crate::verify::DEFAULT_TOLERANCE);
-    Verifier::new(scheme, secrets, tolerance).map_err(|problem| vec![format!("secrets: {problem}")])
+    Verifier::new(scheme, secrets, tolerance).map_err(|problem| vec![problem])
 }
 
 fn compile_route(

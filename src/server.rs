@@ -175,7 +175,7 @@ impl Application {
         self.serving.accept(self.webhook_listener, &stop).await;
         self.admin.shutting_down.store(true, Ordering::Release);
         let deadline = Instant::now() + self.shutdown_grace;
-        let drained = self.serving.drain().await;
+        let drained = self.serving.drain(self.shutdown_grace).await;
         let settles = self
             .proxy
             .open_claims()

@@ -144,18 +144,19 @@ pub struct Verifier {
 
 impl Verifier {
     /// A verifier accepting signatures by any of `secrets` (several allow
-    /// rotation). Errors name the secret by position, never by content.
+    /// rotation). Errors name the secret by its index in `secrets`, never
+    /// by content.
     pub fn new(scheme: Scheme, secrets: Vec<Secret>, tolerance: Duration) -> Result<Self, String> {
         if secrets.is_empty() {
-            return Err("at least one secret is needed to verify signatures".into());
+            return Err("secrets: at least one secret is needed to verify signatures".into());
         }
         for (index, secret) in secrets.iter().enumerate() {
             if secret.expose().is_empty() {
-                return Err(format!("secret {} is empty", index + 1));
+                return Err(format!("secrets[{index}]: is empty"));
             }
             scheme
                 .validate_secret(secret)
-                .map_err(|problem| format!("secret {} {problem}", index + 1))?;
+                .map_err(|problem| format!("secrets[{index}]: {problem}"))?;
         }
         Ok(Self {
             scheme,
@@ -280,11 +281,11 @@ mod tests {
         let error = Verifier::new(Scheme::Stripe, vec![], DEFAULT_TOLERANCE).unwrap_err();
         assert!(error.contains("at least one"), "{error}");
         let error = Verifier::new(Scheme::slack(), secrets(&["a", ""]), DEFAULT_TOLERANCE);
-        assert_eq!(error.unwrap_err(), "secret 2 is empty");
+        assert_eq!(error.unwrap_err(), "secrets[1]: is empty");
         let bad = secrets(&["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "whsec_%%%%"]);
         let error = Verifier::new(Scheme::StandardWebhooks, bad, DEFAULT_TOLERANCE).unwrap_err();
         assert!(
-            error.starts_with("secret 2 ") && !error.contains("%%%%"),
+            error.starts_with("secrets[1]: ") && !error.contains("%%%%"),
             "{error}"
         );
     }

@@ -162,9 +162,9 @@ impl Config {
         );
         validate_statuses(
             "defaults",
-            &self.defaults.done_on,
-            self.defaults.duplicate_status,
-            self.defaults.in_flight_status,
+            Some(&self.defaults.done_on),
+            Some(self.defaults.duplicate_status),
+            Some(self.defaults.in_flight_status),
             &mut problems,
         );
         let mut names = std::collections::HashSet::new();
@@ -304,18 +304,27 @@ impl Config {
         if route.retention.is_some_and(|retention| retention.is_zero()) {
             problems.push(format!("{at}.retention: must be greater than zero"));
         }
-        let mut effective = self.effective_route(route);
+        // What the route inherits was checked once, under `defaults`.
         validate_statuses(
             at,
-            effective.done_on.as_deref().unwrap_or_default(),
-            effective.duplicate_status.unwrap_or_default(),
-            effective.in_flight_status.unwrap_or_default(),
+            route.done_on.as_deref(),
+            route.duplicate_status,
+            route.in_flight_status,
             problems,
         );
+        let mut effective = self.effective_route(route);
         // Secrets are resolved and schemes built only for a route found valid
-        // so far: compiling trusts what was checked above, and would report
-        // a bad key or status again.
-        if problems.len() > before_route {
+        // so far, what it inherits included: compiling trusts what was
+        // checked above, and would report a bad key or status again.
+        let mut inherited = Vec::new();
+        validate_statuses(
+            at,
+            effective.done_on.as_deref(),
+            effective.duplicate_status,
+            effective.in_flight_status,
+            &mut inherited,
+        );
+        if problems.len() > before_route || !inherited.is_empty() {
             return;
         }
         if secrets == Secrets::Ignore {
@@ -329,6 +338,11 @@ impl Config {
     /// Things that work but are probably not what the operator wants.
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
+        if self.routes.is_empty() {
+            warnings.push(
+                "routes: none configured, so every request is forwarded to the upstream unverified and not deduplicated".to_owned(),
+            );
+        }
         for (index, route) in self.routes.iter().enumerate() {
             let at = format!("routes[{index}] ({})", route.name);
             if route.secrets.iter().any(SecretRef::is_literal) {
@@ -356,22 +370,27 @@ impl Config {
     }
 }
 
+/// Checks the statuses that are set.
 fn validate_statuses(
     at: &str,
-    done_on: &[StatusMatch],
-    duplicate_status: u16,
-    in_flight_status: u16,
+    done_on: Option<&[StatusMatch]>,
+    duplicate_status: Option<u16>,
+    in_flight_status: Option<u16>,
     problems: &mut Vec<String>,
 ) {
-    if done_on.is_empty() {
+    if done_on.is_some_and(<[StatusMatch]>::is_empty) {
         problems.push(format!("{at}.done_on: must list at least one status"));
     }
-    if !(200..=599).contains(&duplicate_status) {
+    if let Some(duplicate_status) = duplicate_status
+        && !(200..=599).contains(&duplicate_status)
+    {
         problems.push(format!(
             "{at}.duplicate_status: {duplicate_status} is not a final status (200-599)"
         ));
     }
-    if !(300..=599).contains(&in_flight_status) {
+    if let Some(in_flight_status) = in_flight_status
+        && !(300..=599).contains(&in_flight_status)
+    {
         problems.push(format!(
             "{at}.in_flight_status: {in_flight_status} must be 300-599: a 2xx would tell the sender to stop retrying an event that may still fail"
         ));
@@ -470,6 +489,55 @@ mod tests {
             let config = parse(&format!("log_level: '{accepted}'"));
             assert!(config.is_ok(), "{accepted}: {config:?}");
         }
+    }
+
+    #[test]
+    fn a_bad_default_is_reported_once_under_defaults_and_a_routes_own_under_it() {
+        let found = problems(&format!(
+            "defaults: {{ duplicate_status: 199, done_on: [] }}\n{ROUTE}"
+        ));
+        assert_eq!(
+            found,
+            [
+                "defaults.done_on (line 1): must list at least one status",
+                "defaults.duplicate_status (line 1): 199 is not a final status (200-599)",
+            ]
+        );
+        let found = problems(
+            "routes: [{ name: orders, path: /o, key: { header: X }, in_flight_status: 200 }]",
+        );
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].starts_with("routes[0] (orders).in_flight_status (line 1): 200 must be"),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn a_secret_is_named_by_its_index_as_written() {
+        let found = problems(
+            "routes: [{ name: s, path: /s, provider: standard-webhooks, secrets: [{ value: whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw }, { value: 'whsec_%%%' }] }]",
+        );
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].starts_with("routes[0] (s).secrets[1]") && found[0].contains("not base64"),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn a_configuration_without_routes_is_valid_and_warned_about() {
+        for text in ["", "listen: 127.0.0.1:8080"] {
+            let warnings = parse(text).expect("valid").warnings();
+            assert!(
+                warnings
+                    .iter()
+                    .any(|w| w.starts_with("routes: none configured")),
+                "{text:?}: {warnings:?}"
+            );
+        }
+        let routed = parse(ROUTE).expect("valid").warnings();
+        assert!(routed.is_empty(), "{routed:?}");
     }
 
     #[test]

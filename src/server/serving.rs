@@ -67,7 +67,8 @@ struct Lane {
 }
 
 struct ServingThread {
-    drained: oneshot::Receiver<()>,
+    /// Whether the thread's grace period ended with requests in flight.
+    drained: oneshot::Receiver<CutShort>,
     release: oneshot::Sender<()>,
     join: JoinHandle<()>,
     runtime: tokio::runtime::Handle,
@@ -116,13 +117,20 @@ impl ServingThreads {
 
     /// Stops handing out connections and waits until every thread has
     /// drained its connections or its grace period has ended.
-    pub async fn drain(self) -> DrainedThreads {
+    pub async fn drain(self, grace: Duration) -> DrainedThreads {
         drop(self.lanes);
         let mut threads = Vec::with_capacity(self.threads.len());
+        let mut cut_short = false;
         for thread in self.threads {
             // An error means the thread is gone, which is as drained as it gets.
-            let _ = thread.drained.await;
+            cut_short |= thread.drained.await.is_ok_and(|CutShort(cut)| cut);
             threads.push((thread.release, thread.join));
+        }
+        if cut_short {
+            tracing::warn!(
+                ?grace,
+                "shutdown grace period ended with requests still in flight"
+            );
         }
         DrainedThreads { threads }
     }
@@ -187,8 +195,8 @@ impl ServingThread {
             .spawn(move || {
                 crate::upstream::use_lane(lane);
                 runtime.block_on(async move {
-                    serve(incoming, webhooks, open_here).await;
-                    let _ = drained_tx.send(());
+                    let cut_short = serve(incoming, webhooks, open_here).await;
+                    let _ = drained_tx.send(cut_short);
                     // Background settles, requests still running past the
                     // grace period and store connections opened here keep
                     // going until the open claims have been settled.
@@ -205,13 +213,16 @@ impl ServingThread {
     }
 }
 
+/// Whether a thread's grace period ended before its connections did.
+struct CutShort(bool);
+
 /// Serves the connections handed to this thread until the sender closes,
 /// then drains them within the grace period.
 async fn serve(
     mut incoming: mpsc::UnboundedReceiver<Handover>,
     webhooks: Webhooks,
     open: Arc<AtomicUsize>,
-) {
+) -> CutShort {
     let Webhooks {
         proxy,
         tls,
@@ -283,15 +294,11 @@ async fn serve(
     }
     closing.begin();
     connections.close();
-    if tokio::time::timeout(grace, connections.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            ?grace,
-            "shutdown grace period ended with requests still in flight"
-        );
-    }
+    CutShort(
+        tokio::time::timeout(grace, connections.wait())
+            .await
+            .is_err(),
+    )
 }
 
 /// The HTTP/2 connection preface (RFC 9113 section 3.4): what a sender

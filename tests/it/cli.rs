@@ -7,7 +7,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 
-use crate::support::{Backend, TestStore, Upstream};
+use crate::support::{Backend, Behavior, TestStore, Upstream};
 
 pub const BINARY: &str = env!("CARGO_BIN_EXE_dedupe-proxy");
 
@@ -583,6 +583,44 @@ async fn sigterm_stops_the_binary_with_exit_code_0() {
     proxy.wait_ready().await;
     proxy.terminate();
     assert_eq!(proxy.wait().await.code(), Some(0));
+}
+
+/// Requests still in flight on several serving threads at the end of the
+/// grace period are reported once, not once per thread.
+#[tokio::test]
+async fn a_grace_period_cut_short_is_logged_once() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let keys: Vec<String> = (0..4).map(|n| format!("evt_slow_{n}")).collect();
+    for key in &keys {
+        upstream.script(key, [Behavior::Hang]);
+    }
+    let mut proxy = ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nshutdown_grace: 200ms\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url(),
+        store.url
+    ))
+    .await;
+    proxy.wait_ready().await;
+    let addr = proxy.addr;
+    for key in keys.clone() {
+        // A client each: one connection each, spread over the threads.
+        tokio::spawn(async move {
+            let request = http::Request::post(format!("http://{addr}/hooks/orders"))
+                .header("x-event-id", key)
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+                .unwrap();
+            let _ = crate::support::client().request(request).await;
+        });
+    }
+    upstream.wait_for(keys.len()).await;
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    let reports = lines
+        .iter()
+        .filter(|line| line.contains("grace period ended with requests still in flight"))
+        .count();
+    assert_eq!(reports, 1, "{lines:#?}");
 }
 
 /// SIGHUP's default action would end the process at once, skipping the drain
