@@ -263,7 +263,13 @@ impl Config {
             problems.push(format!("{at}.methods: must name at least one method"));
         }
         for method in &route.methods {
-            if http::Method::from_bytes(method.to_ascii_uppercase().as_bytes()).is_err() {
+            // `*` is a token, so a method by HTTP's grammar, but no sender
+            // uses it: written as a wildcard, it would match nothing.
+            if method == "*" {
+                problems.push(format!(
+                    "{at}.methods: `*` is not a wildcard: list the methods, e.g. [POST, PUT]"
+                ));
+            } else if http::Method::from_bytes(method.to_ascii_uppercase().as_bytes()).is_err() {
                 problems.push(format!("{at}.methods: `{method}` is not an HTTP method"));
             }
         }
@@ -303,6 +309,14 @@ impl Config {
         }
         if route.retention.is_some_and(|retention| retention.is_zero()) {
             problems.push(format!("{at}.retention: must be greater than zero"));
+        }
+        // A timestamp is in seconds: no tolerance would refuse a signature
+        // made a second before it arrived.
+        if route
+            .tolerance
+            .is_some_and(|tolerance| tolerance < Duration::from_secs(1))
+        {
+            problems.push(format!("{at}.tolerance: must be at least 1s"));
         }
         // What the route inherits was checked once, under `defaults`.
         validate_statuses(
@@ -544,6 +558,20 @@ mod tests {
     fn a_route_without_a_path_or_with_a_bad_method_is_an_error_not_a_crash() {
         let found = problems("routes:\n  - { name: a, key: { header: X } }");
         assert_eq!(found, ["routes[0] (a) (line 2): needs path or path_prefix"]);
+        let wildcard =
+            problems("routes: [{ name: a, path: /a, key: { header: X }, methods: ['*'] }]");
+        assert_eq!(
+            wildcard,
+            [
+                "routes[0] (a).methods (line 1): `*` is not a wildcard: list the methods, e.g. [POST, PUT]"
+            ]
+        );
+        let instant =
+            problems("routes: [{ name: a, path: /a, key: { header: X }, tolerance: 0s }]");
+        assert_eq!(
+            instant,
+            ["routes[0] (a).tolerance (line 1): must be at least 1s"]
+        );
         for method in ["B@D", "GET POST"] {
             let found = problems(&format!(
                 "routes: [{{ name: a, path: /a, key: {{ header: X }}, methods: ['{method}'] }}]"
