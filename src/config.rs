@@ -90,7 +90,11 @@ pub struct UpstreamConfig {
     #[serde(default = "default_upstream_url")]
     pub url: String,
     /// Longest wait for the upstream's response headers; past it the sender
-    /// gets 504 and the claim is settled `failed`.
+    /// gets 504, the claim is settled `failed` and the connection is reset
+    /// (so that no part of the request still unsent reaches the upstream
+    /// later). The body that follows the headers is streamed without a
+    /// deadline; an upstream that vanishes while sending it is given up on
+    /// by TCP keepalive probes within about a minute.
     #[serde(default = "default_upstream_timeout", with = "duration")]
     pub timeout: Duration,
     /// Longest wait for a TCP connection to the upstream.

@@ -387,6 +387,11 @@ impl Backend for PostgresStore {
 /// minutes, and with it a batch slot of every claim or settle queue.
 const DEAD_CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How often an idle connection is probed once `keepalives_idle` has passed:
+/// the kernel checks `tcp_user_timeout` only when a probe is due, and its
+/// own 75 s interval would let a dead idle connection linger about 105 s.
+const KEEPALIVES_INTERVAL: Duration = Duration::from_secs(10);
+
 /// tokio-postgres's `keepalives_idle` when the URL does not set it.
 const LIBRARY_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60);
 
@@ -396,20 +401,70 @@ fn connection_config(
     url: &str,
     config: &StoreConfig,
 ) -> Result<(tokio_postgres::Config, crate::tls::PostgresTls), StoreError> {
-    let (mut pg_config, tls) = crate::tls::postgres_config(url).map_err(StoreError::Postgres)?;
+    let (url, user_timeout) = take_tcp_user_timeout(url)?;
+    let (mut pg_config, tls) = crate::tls::postgres_config(&url).map_err(StoreError::Postgres)?;
     if pg_config.get_connect_timeout().is_none() {
         pg_config.connect_timeout(config.timeout);
     }
     if pg_config.get_application_name().is_none() {
         pg_config.application_name("dedupe-proxy");
     }
-    if pg_config.get_tcp_user_timeout().is_none() {
-        pg_config.tcp_user_timeout(DEAD_CONNECTION_TIMEOUT);
+    match user_timeout {
+        UserTimeout::Default => {
+            pg_config.tcp_user_timeout(DEAD_CONNECTION_TIMEOUT);
+        }
+        UserTimeout::Set(timeout) => {
+            pg_config.tcp_user_timeout(timeout);
+        }
+        UserTimeout::Kernel => {}
     }
     if pg_config.get_keepalives_idle() == LIBRARY_KEEPALIVES_IDLE {
         pg_config.keepalives_idle(DEAD_CONNECTION_TIMEOUT);
     }
+    if pg_config.get_keepalives_interval().is_none() {
+        pg_config.keepalives_interval(KEEPALIVES_INTERVAL);
+    }
     Ok((pg_config, tls))
+}
+
+/// The URL's `tcp_user_timeout`, read as libpq reads it.
+#[derive(Debug, PartialEq, Eq)]
+enum UserTimeout {
+    /// Not in the URL: [`DEAD_CONNECTION_TIMEOUT`].
+    Default,
+    /// `0`: the kernel's own behaviour.
+    Kernel,
+    Set(Duration),
+}
+
+/// Takes `tcp_user_timeout` out of the URL: libpq reads it in milliseconds,
+/// tokio-postgres in seconds, and a URL must mean what it means to `psql`.
+fn take_tcp_user_timeout(url: &str) -> Result<(String, UserTimeout), StoreError> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), UserTimeout::Default));
+    };
+    let (mut timeout, mut kept) = (UserTimeout::Default, Vec::new());
+    for pair in query.split('&') {
+        let Some(value) = pair.strip_prefix("tcp_user_timeout=") else {
+            kept.push(pair);
+            continue;
+        };
+        timeout = match value.parse::<u64>() {
+            Ok(0) => UserTimeout::Kernel,
+            Ok(millis) => UserTimeout::Set(Duration::from_millis(millis)),
+            Err(_) => {
+                return Err(StoreError::Postgres(format!(
+                    "tcp_user_timeout `{value}` is not a number of milliseconds"
+                )));
+            }
+        };
+    }
+    let url = if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    Ok((url, timeout))
 }
 
 impl PostgresStore {
@@ -462,13 +517,37 @@ mod tests {
             Some(&DEAD_CONNECTION_TIMEOUT)
         );
         assert_eq!(defaults.get_keepalives_idle(), DEAD_CONNECTION_TIMEOUT);
+        assert_eq!(
+            defaults.get_keepalives_interval(),
+            Some(KEEPALIVES_INTERVAL)
+        );
         assert!(defaults.get_keepalives());
         let (chosen, _) = connection_config(
-            "postgres://u@db/app?tcp_user_timeout=5&keepalives_idle=60",
+            "postgres://u@db/app?tcp_user_timeout=5000&keepalives_idle=60&keepalives_interval=3",
             &config,
         )
         .unwrap();
-        assert_eq!(chosen.get_tcp_user_timeout(), Some(&Duration::from_secs(5)));
+        assert_eq!(
+            chosen.get_tcp_user_timeout(),
+            Some(&Duration::from_secs(5)),
+            "milliseconds, as libpq reads them"
+        );
         assert_eq!(chosen.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(
+            chosen.get_keepalives_interval(),
+            Some(Duration::from_secs(3))
+        );
+        let (kernel, _) = connection_config(
+            "postgres://u@db/app?sslmode=disable&tcp_user_timeout=0",
+            &config,
+        )
+        .unwrap();
+        assert_eq!(kernel.get_tcp_user_timeout(), None, "0: the kernel's own");
+        let bad = connection_config("postgres://u@db/app?tcp_user_timeout=5s", &config);
+        assert!(
+            matches!(&bad, Err(StoreError::Postgres(message)) if message.contains("milliseconds")),
+            "{:?}",
+            bad.err()
+        );
     }
 }

@@ -4,6 +4,11 @@
 //! thread's connections are used newest first, and one left idle for the
 //! idle timeout is closed the next time that thread looks for one.
 //!
+//! A connection whose response did not come in time is reset, not closed:
+//! closing would leave the request's unsent bytes to the kernel, which goes
+//! on sending them to an upstream gone silent, and one back after a while
+//! would then receive the old request after its retry had been processed.
+//!
 //! Each connection keeps the timer that bounds the wait for a response:
 //! moving a registered timer's deadline later costs an atomic exchange, where
 //! a timer per request is entered in and removed from the runtime's timer
@@ -21,6 +26,8 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use tokio::sync::oneshot;
 use tokio::time::Sleep;
 use tower_service::Service;
 
@@ -39,7 +46,18 @@ pub fn use_lane(lane: usize) {
     LANE.with(|current| current.set(lane));
 }
 
+const UPSTREAM_KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const UPSTREAM_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const UPSTREAM_KEEPALIVE_RETRIES: u32 = 3;
+
 type Sender = http1::SendRequest<RequestBody>;
+type Io = hyper_rustls::MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>;
+
+/// A connection's request side, and the switch that resets it.
+struct Connection {
+    sender: Sender,
+    reset: oneshot::Sender<()>,
+}
 
 /// The upstream's keep-alive connections, one set per serving thread.
 pub(super) struct Pool {
@@ -59,7 +77,7 @@ pub(super) struct Pool {
 type Deadline = Pin<Box<Sleep>>;
 
 struct Idle {
-    sender: Sender,
+    connection: Connection,
     deadline: Deadline,
     since: Instant,
 }
@@ -77,6 +95,12 @@ impl Pool {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
+        // `upstream.timeout` ends at the response headers; an upstream that
+        // vanishes while sending the body is found by probes instead, in
+        // about a minute rather than the kernel's two hours.
+        connector.set_keepalive(Some(UPSTREAM_KEEPALIVE_IDLE));
+        connector.set_keepalive_interval(Some(UPSTREAM_KEEPALIVE_INTERVAL));
+        connector.set_keepalive_retries(Some(UPSTREAM_KEEPALIVE_RETRIES));
         connector.enforce_http(false);
         let tls = if url.scheme() == Some(&http::uri::Scheme::HTTPS) {
             tls::client_config(config.ca_file.as_deref())?
@@ -116,21 +140,21 @@ impl Pool {
     ) -> Result<Response<Incoming>, UpstreamError> {
         let until = tokio::time::Instant::now() + self.timeout;
         loop {
-            let (mut sender, mut deadline, reused) = match self.checkout() {
+            let (mut connection, mut deadline, reused) = match self.checkout() {
                 Some(Idle {
-                    sender,
+                    connection,
                     mut deadline,
                     ..
                 }) => {
                     deadline.as_mut().reset(until);
-                    (sender, deadline, true)
+                    (connection, deadline, true)
                 }
                 None => {
                     // A new timer, even on a retry: a timer stays with the
                     // connection it was made with, so that both belong to
                     // the runtime driving that connection.
                     let mut deadline = Box::pin(tokio::time::sleep_until(until));
-                    let sender = tokio::select! {
+                    let connection = tokio::select! {
                         biased;
                         // Boxed: connecting takes a large future that most
                         // requests, on a kept-alive connection, would
@@ -145,19 +169,22 @@ impl Pool {
                             crate::config::format_duration(self.timeout)
                         ))),
                     };
-                    (sender, deadline, false)
+                    (connection, deadline, false)
                 }
             };
             let sent = tokio::select! {
                 biased;
-                sent = sender.try_send_request(request) => sent,
-                () = &mut deadline => return Err(UpstreamError::Timeout(self.timeout)),
+                sent = connection.sender.try_send_request(request) => sent,
+                () = &mut deadline => {
+                    let _ = connection.reset.send(());
+                    return Err(UpstreamError::Timeout(self.timeout));
+                }
             };
             match sent {
                 Ok(response) => {
                     // Back before the body is read: until the body ends the
                     // connection is not ready and checkout passes over it.
-                    self.checkin(sender, deadline);
+                    self.checkin(connection, deadline);
                     return Ok(response);
                 }
                 Err(mut error) => match error.take_message() {
@@ -194,7 +221,7 @@ impl Pool {
         let mut index = kept.len();
         while index > 0 {
             index -= 1;
-            let sender = &kept[index].sender;
+            let sender = &kept[index].connection.sender;
             if sender.is_closed() {
                 kept.remove(index);
             } else if sender.is_ready() {
@@ -204,17 +231,17 @@ impl Pool {
         None
     }
 
-    fn checkin(&self, sender: Sender, deadline: Deadline) {
-        if !sender.is_closed() {
+    fn checkin(&self, connection: Connection, deadline: Deadline) {
+        if !connection.sender.is_closed() {
             self.lane().push_back(Idle {
-                sender,
+                connection,
                 deadline,
                 since: Instant::now(),
             });
         }
     }
 
-    async fn connect(&self) -> Result<Sender, UpstreamError> {
+    async fn connect(&self) -> Result<Connection, UpstreamError> {
         let io = self
             .connector
             .clone()
@@ -224,12 +251,37 @@ impl Pool {
         let (sender, connection) = http1::handshake(io)
             .await
             .map_err(|error| UpstreamError::Connect(error_chain(&error)))?;
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, "upstream connection ended with an error");
+        let (reset, to_reset) = oneshot::channel();
+        tokio::spawn(drive(connection, to_reset));
+        Ok(Connection { sender, reset })
+    }
+}
+
+/// Runs a connection until it ends, or resets it when told to. A dropped
+/// switch (the connection left the pool) is not a reset: it ends as hyper
+/// ends it.
+async fn drive(
+    mut connection: http1::Connection<Io, RequestBody>,
+    mut to_reset: oneshot::Receiver<()>,
+) {
+    let ended = tokio::select! {
+        biased;
+        Ok(()) = &mut to_reset => {
+            let io = connection.into_parts().io;
+            let socket = match &io {
+                hyper_rustls::MaybeHttpsStream::Http(plain) => plain.inner(),
+                hyper_rustls::MaybeHttpsStream::Https(tls) => tls.inner().get_ref().0.inner().inner(),
+            };
+            // A zero linger makes the close a reset, which drops the unsent bytes.
+            if let Err(error) = socket.set_zero_linger() {
+                tracing::debug!(%error, "cannot reset the upstream connection; closing it");
             }
-        });
-        Ok(sender)
+            return;
+        }
+        ended = &mut connection => ended,
+    };
+    if let Err(error) = ended {
+        tracing::debug!(%error, "upstream connection ended with an error");
     }
 }
 
@@ -446,6 +498,68 @@ mod tests {
         );
         assert_eq!(upstream.connections(), 1, "it was the kept connection");
         upstream.finish.add_permits(1);
+    }
+
+    /// An idle kept connection runs the kernel's keepalive timer (`tr` 2 in
+    /// `/proc/net/tcp`), which is what finds an upstream that vanished while
+    /// a response body was still coming.
+    #[tokio::test]
+    async fn upstream_connections_are_probed_while_idle() {
+        let upstream = RawUpstream::start(Answer::Ok).await;
+        let pool = upstream.pool(MINUTE);
+        send_ok(&pool).await;
+        let port = upstream
+            .url
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse::<u16>()
+            .unwrap();
+        let remote = format!("0100007F:{port:04X}");
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let timers: Vec<&str> = table
+            .lines()
+            .map(|line| line.split_whitespace().collect::<Vec<_>>())
+            .filter(|fields| fields.get(2) == Some(&remote.as_str()) && fields[3] == "01")
+            .map(|fields| fields[5].split(':').next().unwrap())
+            .collect();
+        assert_eq!(
+            timers,
+            ["02"],
+            "the proxy's side of the connection:\n{table}"
+        );
+    }
+
+    /// Given up on, the connection is reset rather than closed, so that no
+    /// byte of the request the kernel still holds reaches the upstream later.
+    #[tokio::test]
+    async fn a_connection_whose_response_timed_out_is_reset() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let config = UpstreamConfig {
+            url: url.clone(),
+            timeout: Duration::from_millis(200),
+            ..Default::default()
+        };
+        tls::install_crypto_provider();
+        let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
+        let (error, accepted) = tokio::join!(pool.send(get()), async {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 1024];
+            let read = stream.read(&mut request).await.unwrap();
+            assert!(read > 0, "the request arrived");
+            stream
+        });
+        assert!(matches!(error, Err(UpstreamError::Timeout(_))), "{error:?}");
+        let mut stream = accepted;
+        let after = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut [0u8; 16]))
+            .await
+            .expect("the connection ended");
+        assert_eq!(
+            after.map_err(|error| error.kind()),
+            Err(std::io::ErrorKind::ConnectionReset),
+            "reset, not closed"
+        );
     }
 
     /// The kept timer's deadline passed while the connection sat idle: the
