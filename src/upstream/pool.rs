@@ -427,6 +427,17 @@ mod tests {
 
     const MINUTE: Duration = Duration::from_secs(60);
 
+    /// A pool of one lane for an upstream at `url` answering within `timeout`.
+    fn one_lane_pool(url: &str, timeout: Duration) -> Pool {
+        let config = UpstreamConfig {
+            url: url.to_owned(),
+            timeout,
+            ..Default::default()
+        };
+        tls::install_crypto_provider();
+        Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap()
+    }
+
     #[tokio::test]
     async fn one_connection_serves_requests_one_after_another() {
         let upstream = RawUpstream::start(Answer::Ok).await;
@@ -536,13 +547,7 @@ mod tests {
     async fn a_connection_whose_response_timed_out_is_reset() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let config = UpstreamConfig {
-            url: url.clone(),
-            timeout: Duration::from_millis(200),
-            ..Default::default()
-        };
-        tls::install_crypto_provider();
-        let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
+        let pool = one_lane_pool(&url, Duration::from_millis(200));
         let (error, accepted) = tokio::join!(pool.send(get()), async {
             let (mut stream, _) = listener.accept().await.unwrap();
             let mut request = [0u8; 1024];
@@ -580,12 +585,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         drop(listener);
-        let config = UpstreamConfig {
-            url: url.clone(),
-            ..Default::default()
-        };
-        tls::install_crypto_provider();
-        let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
+        let pool = one_lane_pool(&url, UpstreamConfig::default().timeout);
         let error = pool.send(get()).await.unwrap_err();
         assert!(matches!(error, UpstreamError::Connect(_)), "{error:?}");
     }
@@ -601,13 +601,7 @@ mod tests {
                 accepted.push(stream);
             }
         });
-        let config = UpstreamConfig {
-            url: url.clone(),
-            timeout: Duration::from_millis(200),
-            ..Default::default()
-        };
-        tls::install_crypto_provider();
-        let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
+        let pool = one_lane_pool(&url, Duration::from_millis(200));
         let error = pool.send(get()).await.unwrap_err();
         assert!(
             matches!(&error, UpstreamError::Connect(message) if message.contains("200ms")),
