@@ -331,7 +331,7 @@ pub struct RouteConfig {
     /// wins over any prefix.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_prefix: Option<String>,
-    /// Methods the route applies to.
+    /// Methods the route applies to, listed (`*` is not a wildcard).
     #[serde(default = "default_methods")]
     pub methods: Vec<String>,
     /// Where the idempotency key is; a `provider` supplies it otherwise
@@ -351,7 +351,8 @@ pub struct RouteConfig {
     /// A custom signature scheme, for routes without a `provider`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signature: Option<SignatureConfig>,
-    /// How far a signed timestamp may be from the local clock, either way.
+    /// How far a signed timestamp may be from the local clock, either way;
+    /// at least 1s (timestamps are in seconds).
     #[serde(
         default,
         with = "duration::option",
@@ -622,13 +623,24 @@ impl Config {
 /// serde_yaml's message in the file's terms rather than Rust's.
 fn parse_message(error: &serde_yaml::Error) -> String {
     let mut message = error.to_string();
-    for rust in ["usize", "u64", "u32", "u16", "u8"] {
-        message = message.replace(&format!("expected {rust}"), "expected a whole number");
+    for (rust, plain) in [
+        ("usize", "a whole number, 0 or more"),
+        ("u64", "a whole number, 0 or more"),
+        ("u32", "a whole number from 0 to 4294967295"),
+        ("u16", "a whole number from 0 to 65535"),
+        ("u8", "a whole number from 0 to 255"),
+    ] {
+        message = message.replace(&format!("expected {rust}"), &format!("expected {plain}"));
     }
-    if let Some(start) = message.find("expected struct ") {
-        let name_end = message[start + "expected struct ".len()..]
-            .find(|c: char| !c.is_alphanumeric())
-            .map_or(message.len(), |end| start + "expected struct ".len() + end);
+    // `expected struct Name`, not `expected struct variant Enum::Name`.
+    const STRUCT: &str = "expected struct ";
+    if let Some(start) = message.find(STRUCT)
+        && !message[start..].starts_with("expected struct variant")
+    {
+        let name_start = start + STRUCT.len();
+        let name_end = message[name_start..]
+            .find(|c: char| !c.is_alphanumeric() && c != '_')
+            .map_or(message.len(), |end| name_start + end);
         message.replace_range(start..name_end, "expected a mapping of fields");
     }
     // serde_yaml leaves out a location at the very start of the file, which
@@ -666,9 +678,12 @@ fn listen_address<'de, D: serde::Deserializer<'de>>(
         }
 
         fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<SocketAddr, E> {
+            if let Ok(port) = text.trim().parse::<u64>() {
+                return self.visit_u64(port);
+            }
             text.parse().map_err(|_| {
                 E::custom(format!(
-                    "`{text}` is not an IP:PORT address such as 0.0.0.0:8080 or [::]:8080 (host names are not accepted)"
+                    "`{text}` is not an IP:PORT address such as 0.0.0.0:8080 or [::]:8080 (an IP, not a host name, and a port from 0 to 65535)"
                 ))
             })
         }
@@ -818,9 +833,20 @@ mod tests {
         );
         let number = parse_error("limits: { max_body_bytes: lots }");
         assert!(
-            number.contains("expected a whole number at line 1"),
+            number.contains("expected a whole number, 0 or more at line 1"),
             "{number}"
         );
+        let status = parse_error("defaults: { duplicate_status: 70000 }");
+        assert!(
+            status.contains("expected a whole number from 0 to 65535"),
+            "{status}"
+        );
+        assert_eq!(
+            parse_error("listen: '8080'"),
+            parse_error("listen: 8080"),
+            "quoted or not, a port alone gets the same hint"
+        );
+        assert!(parse_error("listen: 0.0.0.0:99999").contains("a port from 0 to 65535"));
         let first = parse_error("lisen: 0.0.0.0:8080");
         assert!(first.ends_with(" at line 1 column 1"), "{first}");
         assert_eq!(

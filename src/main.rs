@@ -84,8 +84,9 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
         match reached.await {
             Ok(()) => eprintln!("store: reachable"),
             // Before the first start or `migrate`, that is expected.
-            Err(StoreError::MissingTable(table)) => eprintln!(
-                "store: reachable; the claims table `{table}` does not exist yet (`dedupe-proxy migrate`, or start-up with store.migrate: true, creates it)"
+            Err(StoreError::MissingTable(said)) => eprintln!(
+                "store: reachable; the claims table `{}` does not exist yet ({said}; `dedupe-proxy migrate`, or start-up with store.migrate: true, creates it)",
+                config.store.table
             ),
             Err(error) => return Err(error.into()),
         }

@@ -144,9 +144,10 @@ pub enum StoreError {
     /// SQLite failed.
     #[error("sqlite: {0}")]
     Sqlite(String),
-    /// The claims table, named as the database named it, does not exist:
-    /// the schema was never created, or `store.table` names another table.
-    #[error("the claims table `{0}` does not exist (`dedupe-proxy migrate` creates it)")]
+    /// The claims table does not exist: the schema was never created, or
+    /// `store.table` names another table. With the database's own words,
+    /// which name the table in the server's language.
+    #[error("the claims table is missing ({0}): `dedupe-proxy migrate` creates it")]
     MissingTable(String),
     /// `store.table` names a table that lacks the claims table's columns.
     #[error(
@@ -404,7 +405,7 @@ impl StoreUrl {
     pub fn parse(url: &str) -> Result<Self, String> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             crate::tls::install_crypto_provider();
-            return crate::tls::postgres_config(url)
+            return crate::tls::postgres_config(url, None)
                 .map(|_| StoreUrl::Postgres(url.to_owned()))
                 .map_err(|error| format!("not a valid PostgreSQL URL: {error}"));
         }
@@ -453,9 +454,24 @@ impl StoreUrl {
 
 /// libpq also takes the password as a query parameter, or as a field of a
 /// `key=value` connection string (which `store.url` refuses, but names).
-fn redact_password_parameter(mut text: String) -> String {
-    if let Some(start) = text.find("password=") {
-        let value_start = start + "password=".len();
+/// Every parameter named exactly `password` is redacted: a repeated one too
+/// (the driver takes the last), and none merely ending in `password`.
+fn redact_password_parameter(text: String) -> String {
+    const KEY: &str = "password=";
+    let mut redacted = String::with_capacity(text.len());
+    let mut copied = 0;
+    let mut from = 0;
+    while let Some(found) = text[from..].find(KEY) {
+        let start = from + found;
+        let value_start = start + KEY.len();
+        from = value_start;
+        let is_key = text[..start]
+            .chars()
+            .next_back()
+            .is_none_or(|before| matches!(before, '?' | '&') || before.is_whitespace());
+        if !is_key {
+            continue;
+        }
         let value = &text[value_start..];
         let value_len = match value.strip_prefix('\'') {
             Some(quoted) => quoted.find('\'').map_or(value.len(), |end| end + 2),
@@ -463,9 +479,13 @@ fn redact_password_parameter(mut text: String) -> String {
                 .find(|c: char| c == '&' || c.is_whitespace())
                 .unwrap_or(value.len()),
         };
-        text.replace_range(value_start..value_start + value_len, "REDACTED");
+        redacted.push_str(&text[copied..value_start]);
+        redacted.push_str("REDACTED");
+        copied = value_start + value_len;
+        from = copied;
     }
-    text
+    redacted.push_str(&text[copied..]);
+    redacted
 }
 
 #[cfg(test)]
@@ -517,6 +537,15 @@ mod tests {
             "postgres://u@db/x?password=REDACTED&sslmode=require"
         );
         assert_eq!(StoreUrl::redact("sqlite://dedupe.db"), "sqlite://dedupe.db");
+        assert_eq!(
+            StoreUrl::redact("postgres://u@db/x?password=a&password=secret"),
+            "postgres://u@db/x?password=REDACTED&password=REDACTED",
+            "the driver takes the last"
+        );
+        assert_eq!(
+            StoreUrl::redact("postgres://u@db/x?application_name=mypassword=x&password=secret"),
+            "postgres://u@db/x?application_name=mypassword=x&password=REDACTED"
+        );
     }
 
     #[test]

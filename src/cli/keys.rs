@@ -94,8 +94,9 @@ fn open(config: &Config) -> anyhow::Result<Store> {
 fn explain(config: &Config, error: StoreError) -> anyhow::Error {
     let store = StoreUrl::redact(&config.store.url);
     match error {
-        StoreError::MissingTable(table) => anyhow!(
-            "the table `{table}` does not exist in {store}: create it with `dedupe-proxy migrate`"
+        StoreError::MissingTable(_) => anyhow!(
+            "the table `{}` does not exist in {store}: create it with `dedupe-proxy migrate`",
+            config.store.table
         ),
         other => anyhow::Error::new(other).context(format!("store {store}")),
     }

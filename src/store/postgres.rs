@@ -24,7 +24,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use super::{
     Backend, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup,
-    Release, Settlement, StoreError, StoreUrl,
+    Release, Settlement, StoreError,
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
@@ -61,7 +61,8 @@ struct Session {
     /// `sql::Statements`).
     instance: String,
     growth: Growth,
-    /// The server as errors name it: the URL with its password redacted.
+    /// The server as errors name it: where it is, not who connects to it
+    /// (a `/readyz` body may travel further than a log line).
     server: String,
 }
 
@@ -75,7 +76,7 @@ impl PostgresStore {
             home: home.clone(),
         };
         let manager = Manager::from_connect(
-            pg_config,
+            pg_config.clone(),
             connect,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
@@ -98,7 +99,7 @@ impl PostgresStore {
                 named_statements_lost: AtomicBool::new(false),
                 instance: instance.clone(),
                 growth: Growth::new(),
-                server: StoreUrl::redact(url),
+                server: describe_server(&pg_config),
             }),
             sql: Arc::new(Statements::new(&config.table, &instance)),
             keys: keys::Statements::new(&config.table),
@@ -137,6 +138,18 @@ impl PostgresStore {
             .query_typed(sql, params)
             .await
             .map_err(postgres_error)
+    }
+
+    /// A column missing from an existing table: `store.table` names some
+    /// other table.
+    fn shape_error(&self, error: tokio_postgres::Error) -> StoreError {
+        match error.as_db_error() {
+            Some(db) if db.code() == &SqlState::UNDEFINED_COLUMN => StoreError::NotClaimsTable {
+                table: self.table.clone(),
+                problem: db.message().to_owned(),
+            },
+            _ => postgres_error(error),
+        }
     }
 }
 
@@ -401,22 +414,13 @@ fn connection_config(
     url: &str,
     config: &StoreConfig,
 ) -> Result<(tokio_postgres::Config, crate::tls::PostgresTls), StoreError> {
-    let (url, user_timeout) = take_tcp_user_timeout(url)?;
-    let (mut pg_config, tls) = crate::tls::postgres_config(&url).map_err(StoreError::Postgres)?;
+    let (mut pg_config, tls) = crate::tls::postgres_config(url, Some(DEAD_CONNECTION_TIMEOUT))
+        .map_err(StoreError::Postgres)?;
     if pg_config.get_connect_timeout().is_none() {
         pg_config.connect_timeout(config.timeout);
     }
     if pg_config.get_application_name().is_none() {
         pg_config.application_name("dedupe-proxy");
-    }
-    match user_timeout {
-        UserTimeout::Default => {
-            pg_config.tcp_user_timeout(DEAD_CONNECTION_TIMEOUT);
-        }
-        UserTimeout::Set(timeout) => {
-            pg_config.tcp_user_timeout(timeout);
-        }
-        UserTimeout::Kernel => {}
     }
     if pg_config.get_keepalives_idle() == LIBRARY_KEEPALIVES_IDLE {
         pg_config.keepalives_idle(DEAD_CONNECTION_TIMEOUT);
@@ -427,63 +431,13 @@ fn connection_config(
     Ok((pg_config, tls))
 }
 
-/// The URL's `tcp_user_timeout`, read as libpq reads it.
-#[derive(Debug, PartialEq, Eq)]
-enum UserTimeout {
-    /// Not in the URL: [`DEAD_CONNECTION_TIMEOUT`].
-    Default,
-    /// `0`: the kernel's own behaviour.
-    Kernel,
-    Set(Duration),
-}
-
-/// Takes `tcp_user_timeout` out of the URL: libpq reads it in milliseconds,
-/// tokio-postgres in seconds, and a URL must mean what it means to `psql`.
-fn take_tcp_user_timeout(url: &str) -> Result<(String, UserTimeout), StoreError> {
-    let Some((base, query)) = url.split_once('?') else {
-        return Ok((url.to_owned(), UserTimeout::Default));
-    };
-    let (mut timeout, mut kept) = (UserTimeout::Default, Vec::new());
-    for pair in query.split('&') {
-        let Some(value) = pair.strip_prefix("tcp_user_timeout=") else {
-            kept.push(pair);
-            continue;
-        };
-        timeout = match value.parse::<u64>() {
-            Ok(0) => UserTimeout::Kernel,
-            Ok(millis) => UserTimeout::Set(Duration::from_millis(millis)),
-            Err(_) => {
-                return Err(StoreError::Postgres(format!(
-                    "tcp_user_timeout `{value}` is not a number of milliseconds"
-                )));
-            }
-        };
-    }
-    let url = if kept.is_empty() {
-        base.to_owned()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    };
-    Ok((url, timeout))
-}
-
-impl PostgresStore {
-    /// A column missing from an existing table: `store.table` names some
-    /// other table.
-    fn shape_error(&self, error: tokio_postgres::Error) -> StoreError {
-        match error.as_db_error() {
-            Some(db) if db.code() == &SqlState::UNDEFINED_COLUMN => StoreError::NotClaimsTable {
-                table: self.table.clone(),
-                problem: db.message().to_owned(),
-            },
-            _ => postgres_error(error),
-        }
-    }
-}
-
 fn postgres_error(error: tokio_postgres::Error) -> StoreError {
     match error.code() {
-        Some(&SqlState::UNDEFINED_TABLE) => StoreError::MissingTable(missing_relation(&error)),
+        Some(&SqlState::UNDEFINED_TABLE) => StoreError::MissingTable(
+            error
+                .as_db_error()
+                .map_or_else(|| error_chain(&error), |db| db.message().to_owned()),
+        ),
         // The server answered and refused this statement (bad data, deadlock,
         // serialization); connection and shutdown classes aside, the
         // connection itself is fine.
@@ -494,19 +448,57 @@ fn postgres_error(error: tokio_postgres::Error) -> StoreError {
     }
 }
 
-/// The relation an `undefined_table` error names: its message reads
-/// `relation "name" does not exist`.
-fn missing_relation(error: &tokio_postgres::Error) -> String {
-    let message = error.as_db_error().map_or("", |db| db.message());
-    match message.split('"').nth(1) {
-        Some(name) if !name.is_empty() => name.to_owned(),
-        _ => message.to_owned(),
-    }
+/// `PostgreSQL at host:port/database`, each host of a multi-host URL listed.
+fn describe_server(config: &tokio_postgres::Config) -> String {
+    let ports = config.get_ports();
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(index, host)| {
+            let port = ports.get(index).or(ports.first()).copied().unwrap_or(5432);
+            match host {
+                tokio_postgres::config::Host::Tcp(name) if name.contains(':') => {
+                    format!("[{name}]:{port}")
+                }
+                tokio_postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
+                tokio_postgres::config::Host::Unix(dir) => {
+                    format!("{}/.s.PGSQL.{port}", dir.display())
+                }
+            }
+        })
+        .collect();
+    let database = config
+        .get_dbname()
+        .or(config.get_user())
+        .unwrap_or("postgres");
+    format!("PostgreSQL at {}/{database}", hosts.join(","))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_is_described_by_where_it_is_never_by_who_connects() {
+        let described = |url: &str| describe_server(&url.parse().unwrap());
+        assert_eq!(
+            described("postgres://app:hunter2@db.internal:6432/orders"),
+            "PostgreSQL at db.internal:6432/orders"
+        );
+        assert_eq!(
+            described("postgres://app@a,b:5433/orders"),
+            "PostgreSQL at a:5432,b:5433/orders"
+        );
+        assert_eq!(
+            described("postgres://app@%2Fvar%2Frun%2Fpostgresql/orders"),
+            "PostgreSQL at /var/run/postgresql/.s.PGSQL.5432/orders"
+        );
+        assert_eq!(
+            described("postgres://app@[::1]/orders"),
+            "PostgreSQL at [::1]:5432/orders"
+        );
+    }
 
     #[test]
     fn a_dead_server_is_given_up_on_unless_the_url_says_otherwise() {

@@ -128,7 +128,10 @@ impl SqliteStore {
             // Start-up would create the file, but not its directory, nor a
             // file in a directory it may not write to.
             return match creatable(path) {
-                Ok(()) => Err(StoreError::MissingTable(config.table.clone())),
+                Ok(()) => Err(StoreError::MissingTable(format!(
+                    "no such table: {}",
+                    config.table
+                ))),
                 Err(reason) => Err(StoreError::Sqlite(format!("cannot open {path}: {reason}"))),
             };
         }
@@ -142,9 +145,12 @@ impl SqliteStore {
             open_connection(Path::new(path), config.timeout, create).map_err(|error| {
                 // SQLite says only "unable to open database file", whatever
                 // the cause.
+                // A parent that is a file makes the look itself fail.
                 let reason = match Path::new(path).try_exists() {
                     Ok(true) if Path::new(path).is_dir() => "it is a directory".to_owned(),
-                    Ok(false) if create => creatable(path).err().unwrap_or(error.to_string()),
+                    Ok(false) | Err(_) if create => {
+                        creatable(path).err().unwrap_or(error.to_string())
+                    }
                     _ => error.to_string(),
                 };
                 StoreError::Sqlite(format!("cannot open {path}: {reason}"))
@@ -207,6 +213,20 @@ impl SqliteStore {
         }));
         self.jobs.send(job).map_err(|_| stopped())?;
         Ok(result)
+    }
+
+    /// A column missing from an existing table: `store.table` names some
+    /// other table.
+    fn shape_error(&self, error: StoreError) -> StoreError {
+        match error {
+            StoreError::Sqlite(problem) if problem.starts_with("no such column") => {
+                StoreError::NotClaimsTable {
+                    table: self.table.clone(),
+                    problem,
+                }
+            }
+            other => other,
+        }
     }
 }
 
@@ -280,22 +300,6 @@ fn in_savepoint<T>(
         Err(error) => {
             connection.execute_batch("ROLLBACK TO job; RELEASE job")?;
             Err(error)
-        }
-    }
-}
-
-impl SqliteStore {
-    /// A column missing from an existing table: `store.table` names some
-    /// other table.
-    fn shape_error(&self, error: StoreError) -> StoreError {
-        match error {
-            StoreError::Sqlite(problem) if problem.starts_with("no such column") => {
-                StoreError::NotClaimsTable {
-                    table: self.table.clone(),
-                    problem,
-                }
-            }
-            other => other,
         }
     }
 }

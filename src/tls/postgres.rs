@@ -3,10 +3,13 @@
 //! encrypt without verifying the server (as libpq does), `verify-ca` checks
 //! the chain, `verify-full` the chain and the host name. `sslrootcert=FILE`
 //! names the trusted roots (the system's otherwise); with `require` it turns
-//! on chain verification, as in libpq.
+//! on chain verification, as in libpq. `tcp_user_timeout` is read here too,
+//! as libpq reads it (milliseconds, where tokio-postgres reads seconds): a
+//! URL means what it means to `psql`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -27,10 +30,29 @@ enum Verification {
 }
 
 /// A PostgreSQL URL split into the driver's configuration and the TLS
-/// connector its `sslmode` and `sslrootcert` call for.
-pub fn postgres_config(url: &str) -> Result<(tokio_postgres::Config, PostgresTls), String> {
-    let (url, sslmode, rootcert) = take_tls_parameters(url)?;
+/// connector its `sslmode` and `sslrootcert` call for; `user_timeout` is the
+/// `tcp_user_timeout` of a URL that sets none.
+pub fn postgres_config(
+    url: &str,
+    user_timeout: Option<Duration>,
+) -> Result<(tokio_postgres::Config, PostgresTls), String> {
+    let LibpqParameters {
+        url,
+        sslmode,
+        rootcert,
+        tcp_user_timeout,
+    } = take_libpq_parameters(url)?;
     let mut config: tokio_postgres::Config = url.parse().map_err(|e| crate::error_chain(&e))?;
+    // libpq: 0, or less, leaves it to the kernel.
+    match tcp_user_timeout.map_or(user_timeout, |millis| {
+        u64::try_from(millis)
+            .ok()
+            .filter(|&millis| millis > 0)
+            .map(Duration::from_millis)
+    }) {
+        Some(timeout) => config.tcp_user_timeout(timeout),
+        None => &mut config,
+    };
     let verification = match sslmode.as_deref() {
         None | Some("prefer") => {
             config.ssl_mode(SslMode::Prefer);
@@ -95,36 +117,75 @@ where
     }
 }
 
-type TlsParameters = (String, Option<String>, Option<PathBuf>);
+/// The parameters libpq reads otherwise than tokio-postgres does, taken out
+/// of a URL, percent-decoded as libpq decodes every parameter.
+#[derive(Debug)]
+struct LibpqParameters {
+    url: String,
+    sslmode: Option<String>,
+    rootcert: Option<PathBuf>,
+    /// Milliseconds.
+    tcp_user_timeout: Option<i64>,
+}
 
-/// Removes `sslmode` and `sslrootcert` from the query string, returning
-/// them percent-decoded, as libpq reads every URL parameter.
-fn take_tls_parameters(url: &str) -> Result<TlsParameters, String> {
-    let Some((base, query)) = url.split_once('?') else {
-        return Ok((url.to_owned(), None, None));
+fn take_libpq_parameters(url: &str) -> Result<LibpqParameters, String> {
+    let mut taken = LibpqParameters {
+        url: url.to_owned(),
+        sslmode: None,
+        rootcert: None,
+        tcp_user_timeout: None,
     };
+    let Some(query_start) = query_start(url) else {
+        return Ok(taken);
+    };
+    let (base, query) = (&url[..query_start], &url[query_start + 1..]);
     let decoded = |name: &str, value: &str| {
         percent_encoding::percent_decode_str(value)
             .decode_utf8()
             .map(|value| value.into_owned())
             .map_err(|_| format!("{name}: percent-encoded bytes that are not UTF-8"))
     };
-    let (mut sslmode, mut rootcert, mut kept) = (None, None, Vec::new());
+    let mut kept = Vec::new();
     for pair in query.split('&') {
         match pair.split_once('=') {
-            Some(("sslmode", value)) => sslmode = Some(decoded("sslmode", value)?),
+            Some(("sslmode", value)) => taken.sslmode = Some(decoded("sslmode", value)?),
             Some(("sslrootcert", value)) => {
-                rootcert = Some(PathBuf::from(decoded("sslrootcert", value)?));
+                taken.rootcert = Some(PathBuf::from(decoded("sslrootcert", value)?));
+            }
+            Some(("tcp_user_timeout", value)) => {
+                let value = decoded("tcp_user_timeout", value)?;
+                let millis = value.trim().parse::<i64>().map_err(|_| {
+                    format!("tcp_user_timeout `{value}` is not a number of milliseconds")
+                })?;
+                // Under a second, any lost packet would cost the connection:
+                // most likely seconds meant as such.
+                if (1..1000).contains(&millis) {
+                    return Err(format!(
+                        "tcp_user_timeout={millis} is {millis} ms (it is read in milliseconds, as libpq reads it); write {}000 for {millis} s",
+                        millis
+                    ));
+                }
+                taken.tcp_user_timeout = Some(millis);
             }
             _ => kept.push(pair),
         }
     }
-    let url = if kept.is_empty() {
+    taken.url = if kept.is_empty() {
         base.to_owned()
     } else {
         format!("{base}?{}", kept.join("&"))
     };
-    Ok((url, sslmode, rootcert))
+    Ok(taken)
+}
+
+/// Where a PostgreSQL URL's query begins. tokio-postgres reads everything up
+/// to the first `@` as user and password, `?` included (a generated password
+/// often holds one unencoded), so the query is the first `?` after it.
+pub(crate) fn query_start(url: &str) -> Option<usize> {
+    let credentials_end = url.find('@').unwrap_or(0);
+    url[credentials_end..]
+        .find('?')
+        .map(|at| credentials_end + at)
 }
 
 fn client_config(
@@ -258,31 +319,73 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tls_parameters_are_taken_out_of_the_url() {
-        let (url, mode, root) = take_tls_parameters(
+    fn libpq_parameters_are_taken_out_of_the_url() {
+        let taken = take_libpq_parameters(
             "postgres://u@db/x?sslmode=verify-full&application_name=a&sslrootcert=/ca.pem",
         )
         .unwrap();
-        assert_eq!(url, "postgres://u@db/x?application_name=a");
-        assert_eq!(mode.as_deref(), Some("verify-full"));
-        assert_eq!(root, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(taken.url, "postgres://u@db/x?application_name=a");
+        assert_eq!(taken.sslmode.as_deref(), Some("verify-full"));
+        assert_eq!(taken.rootcert, Some(PathBuf::from("/ca.pem")));
         assert_eq!(
-            take_tls_parameters("postgres://u@db/x").unwrap().0,
+            take_libpq_parameters("postgres://u@db/x").unwrap().url,
             "postgres://u@db/x"
         );
-        let (_, mode, root) = take_tls_parameters(
+        let taken = take_libpq_parameters(
             "postgres://u@db/x?sslmode=verify%2Dfull&sslrootcert=%2Fetc%2Fmy%20ca.pem",
         )
         .unwrap();
-        assert_eq!(mode.as_deref(), Some("verify-full"));
-        assert_eq!(root, Some(PathBuf::from("/etc/my ca.pem")));
+        assert_eq!(taken.sslmode.as_deref(), Some("verify-full"));
+        assert_eq!(taken.rootcert, Some(PathBuf::from("/etc/my ca.pem")));
+    }
+
+    #[test]
+    fn tcp_user_timeout_is_read_in_milliseconds_as_libpq_reads_it() {
+        crate::tls::install_crypto_provider();
+        let default = Some(Duration::from_secs(30));
+        let timeout = |url: &str| {
+            postgres_config(url, default).map(|(config, _)| config.get_tcp_user_timeout().copied())
+        };
+        assert_eq!(timeout("postgres://u@db/x"), Ok(default));
+        assert_eq!(
+            timeout("postgres://u@db/x?tcp_user_timeout=5000"),
+            Ok(Some(Duration::from_secs(5)))
+        );
+        assert_eq!(
+            timeout("postgres://u@db/x?sslmode=disable&tcp_user_timeout=%35000"),
+            Ok(Some(Duration::from_secs(5))),
+            "percent-decoded"
+        );
+        for kernel in ["0", "-1"] {
+            assert_eq!(
+                timeout(&format!("postgres://u@db/x?tcp_user_timeout={kernel}")),
+                Ok(None),
+                "{kernel}: the kernel's own"
+            );
+        }
+        assert!(
+            timeout("postgres://u@db/x?tcp_user_timeout=5s")
+                .unwrap_err()
+                .contains("not a number of milliseconds")
+        );
+        assert!(
+            timeout("postgres://u@db/x?tcp_user_timeout=30")
+                .unwrap_err()
+                .contains("write 30000 for 30 s"),
+            "seconds written as they once were read"
+        );
+        assert_eq!(
+            timeout("postgres://u:pa?ss@db/x?tcp_user_timeout=5000"),
+            Ok(Some(Duration::from_secs(5))),
+            "a `?` in the password is not the query"
+        );
     }
 
     #[test]
     fn unix_socket_hosts_get_a_connector() {
         crate::tls::install_crypto_provider();
         let (config, mut tls) =
-            postgres_config("postgres://u@%2Fvar%2Frun%2Fpostgresql/x").unwrap();
+            postgres_config("postgres://u@%2Fvar%2Frun%2Fpostgresql/x", None).unwrap();
         assert!(matches!(
             config.get_hosts()[0],
             tokio_postgres::config::Host::Unix(_)
@@ -293,7 +396,7 @@ mod tests {
     #[test]
     fn sslmodes_map_to_the_driver_and_a_verifier() {
         crate::tls::install_crypto_provider();
-        let mode = |url: &str| postgres_config(url).map(|(config, _)| config.get_ssl_mode());
+        let mode = |url: &str| postgres_config(url, None).map(|(config, _)| config.get_ssl_mode());
         assert_eq!(
             mode("postgres://u@db/x?sslmode=disable"),
             Ok(SslMode::Disable)
@@ -316,7 +419,7 @@ mod tests {
 
     #[test]
     fn a_url_the_driver_refuses_is_explained() {
-        let error = postgres_config("postgres://u@db/x?sslmdoe=require")
+        let error = postgres_config("postgres://u@db/x?sslmdoe=require", None)
             .err()
             .expect("an unknown parameter");
         assert!(error.contains("sslmdoe"), "{error}");

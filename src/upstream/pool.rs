@@ -345,13 +345,7 @@ mod tests {
         }
 
         fn pool_with_timeout(&self, idle_timeout: Duration, timeout: Duration) -> Pool {
-            let config = UpstreamConfig {
-                url: self.url.clone(),
-                timeout,
-                ..Default::default()
-            };
-            tls::install_crypto_provider();
-            Pool::new(&config, &self.url.parse().unwrap(), 2, idle_timeout).unwrap()
+            pool_for(&self.url, timeout, 2, idle_timeout)
         }
     }
 
@@ -427,15 +421,19 @@ mod tests {
 
     const MINUTE: Duration = Duration::from_secs(60);
 
-    /// A pool of one lane for an upstream at `url` answering within `timeout`.
-    fn one_lane_pool(url: &str, timeout: Duration) -> Pool {
+    /// A pool for an upstream at `url` answering within `timeout`.
+    fn pool_for(url: &str, timeout: Duration, lanes: usize, idle_timeout: Duration) -> Pool {
         let config = UpstreamConfig {
             url: url.to_owned(),
             timeout,
             ..Default::default()
         };
         tls::install_crypto_provider();
-        Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap()
+        Pool::new(&config, &url.parse().unwrap(), lanes, idle_timeout).unwrap()
+    }
+
+    fn one_lane_pool(url: &str, timeout: Duration) -> Pool {
+        pool_for(url, timeout, 1, MINUTE)
     }
 
     #[tokio::test]
@@ -548,15 +546,63 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let pool = one_lane_pool(&url, Duration::from_millis(200));
-        let (error, accepted) = tokio::join!(pool.send(get()), async {
-            let (mut stream, _) = listener.accept().await.unwrap();
-            let mut request = [0u8; 1024];
-            let read = stream.read(&mut request).await.unwrap();
-            assert!(read > 0, "the request arrived");
-            stream
+        let (error, mut accepted) = tokio::join!(pool.send(get()), async {
+            let (stream, _) = listener.accept().await.unwrap();
+            read_request(stream).await
         });
         assert!(matches!(error, Err(UpstreamError::Timeout(_))), "{error:?}");
-        let mut stream = accepted;
+        assert_reset(&mut accepted).await;
+    }
+
+    /// The same through TLS, whose stream wraps the socket to reset.
+    #[tokio::test]
+    async fn an_https_connection_whose_response_timed_out_is_reset() {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        tls::install_crypto_provider();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let issuer = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, issuer.pem()).unwrap();
+        let server = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![leaf.der().clone()],
+                rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+            )
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let config = UpstreamConfig {
+            url: url.clone(),
+            timeout: Duration::from_millis(300),
+            ca_file: Some(ca_file),
+            ..Default::default()
+        };
+        let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
+        let (error, mut accepted) = tokio::join!(pool.send(get()), async {
+            let (stream, _) = listener.accept().await.unwrap();
+            read_request(acceptor.accept(stream).await.unwrap()).await
+        });
+        assert!(matches!(error, Err(UpstreamError::Timeout(_))), "{error:?}");
+        assert_reset(&mut accepted).await;
+    }
+
+    /// Reads the first bytes of a request, then hands the stream back.
+    async fn read_request<S: tokio::io::AsyncRead + Unpin>(mut stream: S) -> S {
+        let read = stream.read(&mut [0u8; 1024]).await.unwrap();
+        assert!(read > 0, "the request arrived");
+        stream
+    }
+
+    async fn assert_reset<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) {
         let after = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut [0u8; 16]))
             .await
             .expect("the connection ended");

@@ -396,8 +396,13 @@ fn check_config_connect_fails_when_the_store_is_unreachable() {
     assert_eq!(out.code, 1, "{}", out.stderr);
     let error = out.stderr.lines().last().unwrap_or_default();
     assert!(
-        error.contains("cannot connect to postgres://") && error.contains("REDACTED"),
-        "names the server, not its password: {error}"
+        error.contains("cannot connect to PostgreSQL at 127.0.0.1:1/db: "),
+        "names the server: {error}"
+    );
+    assert!(
+        !out.stderr.contains("hunter2") && !out.stderr.contains("app@"),
+        "not who connects, nor with what: {}",
+        out.stderr
     );
     let words: Vec<&str> = error.split(": ").collect();
     let mut deduplicated = words.clone();
@@ -425,8 +430,11 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
         "the check created the file"
     );
     let missing_dir = format!("sqlite://{}", dir.path().join("typo/fresh.db").display());
+    std::fs::write(dir.path().join("a-file"), "").unwrap();
+    let file_as_dir = format!("sqlite://{}", dir.path().join("a-file/fresh.db").display());
     for (unusable, error) in [
         (missing_dir.as_str(), "typo does not exist"),
+        (file_as_dir.as_str(), "a-file is not a directory"),
         // Nobody may create a file in /sys, root included.
         ("sqlite:///sys/fresh.db", "cannot open /sys/fresh.db: "),
     ] {
@@ -560,6 +568,31 @@ fn an_unopenable_sqlite_file_stops_start_up_with_exit_1_naming_it_once() {
         "{}",
         out.stderr
     );
+}
+
+/// SQLite says only "unable to open database file"; the proxy says why.
+#[test]
+fn an_sqlite_path_that_cannot_be_a_database_file_is_explained() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a-file"), "").unwrap();
+    for (path, why) in [
+        (dir.path().to_owned(), "it is a directory"),
+        (
+            dir.path().join("a-file/keys.db"),
+            "a-file is not a directory",
+        ),
+    ] {
+        let config = format!("store: {{ url: 'sqlite://{}' }}\n", path.display());
+        let out = run(&["migrate"], Some(&config), &[]);
+        assert_eq!(out.code, 1, "{}", out.stderr);
+        let explained = out.stderr.lines().last().unwrap_or_default();
+        assert!(
+            explained.contains(&format!("cannot open {}: ", path.display()))
+                && explained.ends_with(why),
+            "{}",
+            out.stderr
+        );
+    }
 }
 
 #[test]
