@@ -144,8 +144,7 @@ impl SqliteStore {
         let connection =
             open_connection(Path::new(path), config.timeout, create).map_err(|error| {
                 // SQLite says only "unable to open database file", whatever
-                // the cause.
-                // A parent that is a file makes the look itself fail.
+                // the cause. A parent that is a file makes `try_exists` fail.
                 let reason = match Path::new(path).try_exists() {
                     Ok(true) if Path::new(path).is_dir() => "it is a directory".to_owned(),
                     Ok(false) | Err(_) if create => {
@@ -309,10 +308,7 @@ fn sqlite_error(error: rusqlite::Error) -> StoreError {
         rusqlite::Error::SqliteFailure(_, Some(message))
             if message.starts_with("no such table") =>
         {
-            let table = message
-                .trim_start_matches("no such table")
-                .trim_start_matches(':');
-            StoreError::MissingTable(table.trim().to_owned())
+            StoreError::MissingTable(message.clone())
         }
         _ => StoreError::Sqlite(error.to_string()),
     }

@@ -7,9 +7,36 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 
-use crate::support::{Backend, Behavior, TestStore, Upstream};
+use crate::support::{Backend, Behavior, TestResponse, TestStore, Upstream};
 
 pub const BINARY: &str = env!("CARGO_BIN_EXE_dedupe-proxy");
+
+/// One header-keyed route (`orders` on `/hooks/orders`) on `store_url` in
+/// front of `upstream`, on free ports, with `extra` top-level settings.
+pub fn process_config(upstream: &Upstream, store_url: &str, extra: &str) -> String {
+    format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n{extra}upstream: {{ url: '{}' }}\nstore: {{ url: '{store_url}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url()
+    )
+}
+
+/// Posts `body` to the `orders` route at `addr` under `key`.
+pub async fn send_webhook(
+    addr: std::net::SocketAddr,
+    key: &str,
+    body: String,
+) -> Result<http::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
+    let request = http::Request::post(format!("http://{addr}/hooks/orders"))
+        .header("x-event-id", key)
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    crate::support::client().request(request).await
+}
+
+/// [`send_webhook`], answered and read.
+pub async fn post_webhook(addr: std::net::SocketAddr, key: &str, body: String) -> TestResponse {
+    TestResponse::read(send_webhook(addr, key, body).await.expect("proxy answers")).await
+}
 
 /// The proxy binary, started with a configuration file.
 pub struct ProxyProcess {
@@ -628,23 +655,13 @@ async fn a_grace_period_cut_short_is_logged_once() {
     for key in &keys {
         upstream.script(key, [Behavior::Hang]);
     }
-    let mut proxy = ProxyProcess::start(&format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nshutdown_grace: 200ms\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
-        upstream.url(),
-        store.url
-    ))
-    .await;
+    let config = process_config(&upstream, &store.url, "shutdown_grace: 200ms\n");
+    let mut proxy = ProxyProcess::start(&config).await;
     proxy.wait_ready().await;
     let addr = proxy.addr;
     for key in keys.clone() {
         // A client each: one connection each, spread over the threads.
-        tokio::spawn(async move {
-            let request = http::Request::post(format!("http://{addr}/hooks/orders"))
-                .header("x-event-id", key)
-                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
-                .unwrap();
-            let _ = crate::support::client().request(request).await;
-        });
+        tokio::spawn(async move { send_webhook(addr, &key, "{}".into()).await });
     }
     upstream.wait_for(keys.len()).await;
     proxy.terminate();

@@ -8,30 +8,17 @@ use http::Request;
 use http_body_util::Full;
 use serde_json::Value;
 
-use crate::cli::ProxyProcess;
+use crate::cli::{ProxyProcess, post_webhook, process_config as config};
 use crate::support::{Backend, Behavior, TestResponse, TestStore, Upstream, client};
 
 const MARKER: &str = "BODY-MARKER-5f1c2e";
-
-/// One header-keyed route on `store_url` in front of `upstream`, on free
-/// ports, with `extra` top-level settings.
-fn config(upstream: &Upstream, store_url: &str, extra: &str) -> String {
-    format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n{extra}upstream: {{ url: '{}' }}\nstore: {{ url: '{store_url}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
-        upstream.url()
-    )
-}
 
 async fn deliver(proxy: &ProxyProcess, key: &str) -> TestResponse {
     deliver_body(proxy, key, format!(r#"{{"card":"{MARKER}"}}"#)).await
 }
 
 async fn deliver_body(proxy: &ProxyProcess, key: &str, body: String) -> TestResponse {
-    let request = Request::post(format!("http://{}/hooks/orders", proxy.addr))
-        .header("x-event-id", key)
-        .body(Full::new(Bytes::from(body)))
-        .unwrap();
-    TestResponse::read(client().request(request).await.expect("proxy answers")).await
+    post_webhook(proxy.addr, key, body).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
