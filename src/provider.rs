@@ -8,7 +8,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use http::HeaderName;
+use http::{HeaderMap, HeaderName};
 use serde::{Deserialize, Serialize};
 
 use crate::key::KeySource;
@@ -61,6 +61,12 @@ pub struct Preset {
     /// Requests without an event id that are forwarded without a claim once
     /// their signature is verified.
     pub handshakes: Vec<Handshake>,
+    /// Whether a verified form-encoded request is keyless too. Slack signs
+    /// slash commands and interactive payloads (buttons, modals) like events
+    /// and sends them to the same URL in apps built on its Bolt framework,
+    /// but as `application/x-www-form-urlencoded` without an event id, and
+    /// never retries them.
+    pub keyless_forms: bool,
 }
 
 /// A keyless request recognised by one string in its JSON body, such as
@@ -112,6 +118,7 @@ impl Provider {
                 .saturating_add(Duration::from_secs(DAY))
                 .max(MIN_RETENTION),
             handshakes: handshakes(self),
+            keyless_forms: self == Provider::Slack,
         }
     }
 
@@ -272,10 +279,23 @@ pub fn is_handshake(rules: &[Handshake], body: &[u8]) -> bool {
         .is_ok_and(|document| rules.iter().any(|rule| rule.matches(&document)))
 }
 
+/// Whether a request's body is form-encoded (`application/x-www-form-urlencoded`,
+/// parameters allowed), by its `Content-Type`.
+pub fn is_form(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .is_some_and(|media_type| {
+            media_type
+                .trim()
+                .eq_ignore_ascii_case("application/x-www-form-urlencoded")
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use bytes::Bytes;
-    use http::HeaderMap;
 
     use super::*;
 
@@ -394,6 +414,44 @@ mod tests {
         for body in not_handshakes {
             assert!(!slack.is_handshake(body.as_bytes()), "{body}");
         }
+    }
+
+    #[test]
+    fn only_slack_forwards_verified_forms_unclaimed() {
+        for provider in Provider::ALL {
+            assert_eq!(
+                provider.preset().keyless_forms,
+                provider == Provider::Slack,
+                "{provider}"
+            );
+        }
+    }
+
+    #[test]
+    fn form_bodies_are_recognised_by_their_media_type() {
+        let with = |content_type: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(http::header::CONTENT_TYPE, content_type.parse().unwrap());
+            headers
+        };
+        for form in [
+            "application/x-www-form-urlencoded",
+            "Application/X-WWW-Form-Urlencoded",
+            "application/x-www-form-urlencoded; charset=utf-8",
+            " application/x-www-form-urlencoded ;charset=utf-8",
+        ] {
+            assert!(is_form(&with(form)), "{form}");
+        }
+        for other in [
+            "application/json",
+            "multipart/form-data; boundary=x",
+            "application/x-www-form-urlencoded-extra",
+            "text/plain; application/x-www-form-urlencoded",
+            "",
+        ] {
+            assert!(!is_form(&with(other)), "{other}");
+        }
+        assert!(!is_form(&HeaderMap::new()));
     }
 
     #[test]

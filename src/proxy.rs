@@ -353,7 +353,9 @@ impl Proxy {
         body: &Bytes,
         trace: &mut Trace,
     ) -> Decision {
-        if provider::is_handshake(&route.handshakes, body) {
+        if provider::is_handshake(&route.handshakes, body)
+            || (route.keyless_forms && provider::is_form(&parts.headers))
+        {
             return Decision::Pass(PassReason::NotDeduplicated);
         }
         let key = match self.key_of(route, parts, body) {

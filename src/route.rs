@@ -26,6 +26,8 @@ pub struct Route {
     pub verifier: Option<Verifier>,
     /// Keyless requests forwarded without a claim once verified.
     pub handshakes: Vec<Handshake>,
+    /// Whether verified form-encoded requests are keyless too (Slack's).
+    pub keyless_forms: bool,
     /// `enforce` or `shadow`.
     pub mode: Mode,
     /// Statuses that settle `done`.
@@ -85,9 +87,16 @@ impl Route {
             Some(scheme) if !route.secrets.is_empty() => Some(verifier(route, scheme)?),
             _ => None,
         };
+        let keyless_forms = preset.as_ref().is_some_and(|preset| preset.keyless_forms);
         let mut handshakes = preset.map(|preset| preset.handshakes).unwrap_or_default();
         handshakes.extend(route.handshakes.iter().cloned());
-        Ok(compile_route(route, key, verifier, handshakes))
+        Ok(compile_route(
+            route,
+            key,
+            verifier,
+            handshakes,
+            keyless_forms,
+        ))
     }
 
     /// Whether this route's settle status for an upstream answer is `done`.
@@ -178,6 +187,7 @@ fn compile_route(
     key: KeySource,
     verifier: Option<Verifier>,
     handshakes: Vec<Handshake>,
+    keyless_forms: bool,
 ) -> Route {
     let status = |code: Option<u16>| {
         StatusCode::from_u16(code.expect("filled by effective_route")).expect("validated status")
@@ -198,6 +208,7 @@ fn compile_route(
         key,
         verifier,
         handshakes,
+        keyless_forms,
         mode: route.mode,
         done_on: route.done_on.clone().unwrap_or_default(),
         duplicate_status: status(route.duplicate_status),

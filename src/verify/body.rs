@@ -4,7 +4,9 @@
 //! `v0:{timestamp}:{body}`) and custom routes' `signature:` blocks, which
 //! sign the body or, with a timestamp header, a payload built around it (Zoom
 //! signs as Slack does, in its own headers). A scheme without a timestamp cannot refuse a
-//! replay; the idempotency key does that.
+//! replay: the idempotency key answers a replay as a duplicate only when the
+//! key is signed too, and GitHub's and Shopify's are in headers they do not
+//! sign, so a captured body resent under a new id is forwarded.
 
 use std::time::{Duration, SystemTime};
 

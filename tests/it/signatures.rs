@@ -21,6 +21,7 @@ on_both_stores!(
     a_missing_or_malformed_signature_header_is_rejected,
     every_preset_accepts_its_own_signature_and_rejects_another_secret,
     slack_url_verification_is_forwarded_without_a_claim,
+    slack_commands_and_interactions_are_forwarded_without_a_claim,
     a_custom_signature_scheme_is_verified,
     zoom_routes_verify_their_timestamped_signature_and_handshake,
 );
@@ -385,6 +386,65 @@ async fn slack_url_verification_is_forwarded_without_a_claim(backend: Backend) {
         unsigned.status, 401,
         "a handshake is verified like any request"
     );
+}
+
+/// Slack's Bolt apps take events, slash commands and interactive payloads on
+/// one URL; the last two are form-encoded and carry no event id.
+async fn slack_commands_and_interactions_are_forwarded_without_a_claim(backend: Backend) {
+    let app = app(backend).await;
+    let ts = now().to_string();
+    let slack_signed = |body: &str| {
+        format!(
+            "v0={}",
+            hex::encode(hmac256(
+                b"slack-secret",
+                format!("v0:{ts}:{body}").as_bytes()
+            ))
+        )
+    };
+    let form = "application/x-www-form-urlencoded";
+    let command = "token=x&team_id=T1&command=%2Fweather&text=94070&trigger_id=13345224609.7";
+    let interaction = "payload=%7B%22type%22%3A%22block_actions%22%2C%22trigger_id%22%3A%221%22%7D";
+    for body in [command, command, interaction] {
+        let signature = slack_signed(body);
+        let headers = [
+            ("content-type", form),
+            ("x-slack-request-timestamp", ts.as_str()),
+            ("x-slack-signature", signature.as_str()),
+        ];
+        let response = app.post("/slack/events", &headers, body).await;
+        assert_eq!(
+            (response.status, response.outcome()),
+            (200, "passthrough"),
+            "{body}: {}",
+            response.body
+        );
+    }
+    let seen = app.upstream.seen();
+    assert_eq!(seen.len(), 3, "a repeated command is forwarded again");
+    assert!(seen.iter().all(|s| s.header("x-dedupe-key").is_none()));
+
+    let forged = [
+        ("content-type", form),
+        ("x-slack-request-timestamp", ts.as_str()),
+        ("x-slack-signature", "v0=00"),
+    ];
+    let response = app.post("/slack/events", &forged, command).await;
+    assert_eq!(response.status, 401, "a form is verified like any request");
+
+    // Only Slack's preset takes forms as keyless: elsewhere a JSON key still
+    // needs a JSON body.
+    let t = now();
+    let stripe = [
+        ("content-type", form),
+        (
+            "stripe-signature",
+            &stripe_header(STRIPE_SECRET, t, command),
+        ),
+    ];
+    let response = app.post("/webhooks/stripe", &stripe, command).await;
+    assert_eq!(response.status, 400, "{}", response.body);
+    assert_eq!(app.upstream.count(), 3);
 }
 
 async fn a_custom_signature_scheme_is_verified(backend: Backend) {
