@@ -22,6 +22,10 @@ pub enum KeyError {
     /// The route reads a JSON key and the body is not JSON.
     #[error("body is not valid JSON: {0}")]
     NotJson(String),
+    /// The key's header field appears more than once: the proxy and the
+    /// application could each take a different one for the key.
+    #[error("the `{0}` header appears more than once")]
+    Repeated(HeaderName),
     /// The key is not UTF-8 text, or holds control characters.
     #[error("key must be UTF-8 text without control characters")]
     NotText,
@@ -73,12 +77,7 @@ impl KeySource {
         max_len: usize,
     ) -> Result<Option<String>, KeyError> {
         let key = match self {
-            KeySource::Header(names) => names
-                .iter()
-                .filter_map(|name| headers.get(name))
-                .map(|value| value.as_bytes())
-                .find(|value| !value.is_empty())
-                .map(<[u8]>::to_vec),
+            KeySource::Header(names) => header_key(headers, names)?,
             KeySource::Json(pointer) => json_key(body, pointer)?,
         };
         let Some(key) = key else { return Ok(None) };
@@ -93,6 +92,20 @@ impl KeySource {
             _ => Err(KeyError::NotText),
         }
     }
+}
+
+fn header_key(headers: &HeaderMap, names: &[HeaderName]) -> Result<Option<Vec<u8>>, KeyError> {
+    for name in names {
+        let mut values = headers.get_all(name).iter();
+        let Some(value) = values.next() else { continue };
+        if values.next().is_some() {
+            return Err(KeyError::Repeated(name.clone()));
+        }
+        if !value.is_empty() {
+            return Ok(Some(value.as_bytes().to_vec()));
+        }
+    }
+    Ok(None)
 }
 
 fn json_key(body: &[u8], pointer: &str) -> Result<Option<Vec<u8>>, KeyError> {
@@ -169,6 +182,30 @@ mod tests {
             .extract(&headers, &Bytes::new(), 256)
             .unwrap();
         assert_eq!(key.as_deref(), Some("evt 1/ä"));
+    }
+
+    #[test]
+    fn a_repeated_key_header_is_refused() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-event-id", "a".parse().unwrap());
+        headers.append("x-event-id", "b".parse().unwrap());
+        assert_eq!(
+            header("X-Event-Id").extract(&headers, &Bytes::new(), 256),
+            Err(KeyError::Repeated(HeaderName::from_static("x-event-id")))
+        );
+        // Only the field the key is taken from counts.
+        let fallback = KeySource::Header(vec![
+            HeaderName::from_static("x-event-id"),
+            HeaderName::from_static("x-webhook-id"),
+        ]);
+        let mut headers = HeaderMap::new();
+        headers.insert("x-event-id", "evt".parse().unwrap());
+        headers.append("x-webhook-id", "w1".parse().unwrap());
+        headers.append("x-webhook-id", "w2".parse().unwrap());
+        assert_eq!(
+            fallback.extract(&headers, &Bytes::new(), 256),
+            Ok(Some("evt".into()))
+        );
     }
 
     #[test]

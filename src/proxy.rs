@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderValue, Request, Response, Version, header};
+use http::{HeaderValue, Method, Request, Response, Version, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use sha2::{Digest, Sha256};
@@ -163,7 +163,7 @@ impl Proxy {
 
     /// Counts a request that hyper answered itself before it reached
     /// [`Proxy::handle`]: one it could not parse, or over the header limits
-    /// (400, 414, 431). It was never routed, so it counts as unmatched.
+    /// (400, 431). It was never routed, so it counts as unmatched.
     pub fn count_unparsable_request(&self) {
         self.metrics
             .requests
@@ -180,12 +180,26 @@ impl Proxy {
         let started = Instant::now();
         let in_flight = InFlight::count(&self.metrics.in_flight);
         let route = self.routes.find(request.method(), request.uri().path());
-        let route_name = route.map_or(UNMATCHED_ROUTE, |route| &*route.name);
+        let near_miss = match route {
+            None => self
+                .routes
+                .near_miss(request.method(), request.uri().path()),
+            Some(_) => None,
+        };
+        let route_name = route
+            .or(near_miss)
+            .map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let malformed = malformation(&request);
         let answer = match Arc::clone(&self.concurrency).try_acquire_owned() {
             _ if let Some(problem) = malformed => {
                 Answer::Rejected(Rejection::BadRequest(problem.into()))
             }
+            _ if let Some(meant) = near_miss => Answer::Rejected(Rejection::BadRequest(format!(
+                "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters): refused rather than forwarded unverified; send the route's path exactly",
+                meant.name,
+                request.method().as_str().to_ascii_uppercase(),
+                meant.path()
+            ))),
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
             // Boxed: hyper keeps one slot per connection for this future from
             // the connection's first request to its close, so what it holds
@@ -207,13 +221,20 @@ impl Proxy {
             },
         };
         self.record(
-            route.is_some(),
+            route.or(near_miss).is_some(),
             route_name,
             &Trace::default(),
             &answer,
             started,
         );
-        answer.into_response()
+        let mut response = answer.into_response();
+        // The request's framing is in doubt, so is whatever follows it.
+        if malformed.is_some() {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        response
     }
 
     /// Counts a request's outcome and writes its log line.
@@ -682,12 +703,41 @@ fn malformation(request: &Request<Incoming>) -> Option<&'static str> {
             "ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length",
         );
     }
+    if request.method() == Method::CONNECT {
+        return Some(
+            "CONNECT is not served: the proxy forwards requests, it does not open tunnels",
+        );
+    }
     let mut hosts = request.headers().get_all(header::HOST).iter();
-    match (hosts.next(), hosts.next()) {
-        (Some(_), Some(_)) => Some("more than one Host field"),
+    let host = match (hosts.next(), hosts.next()) {
+        (Some(_), Some(_)) => return Some("more than one Host field"),
         // HTTP/1.0 may leave it out; HTTP/2 carries `:authority` instead.
         (None, _) if request.version() == Version::HTTP_11 => {
-            Some("an HTTP/1.1 request needs a Host field")
+            return Some("an HTTP/1.1 request needs a Host field");
+        }
+        (host, _) => host,
+    };
+    // HTTP/2 requests always come with a scheme and an authority.
+    if request.version() >= Version::HTTP_2 {
+        return None;
+    }
+    let target = request.uri();
+    match (target.scheme(), target.authority()) {
+        (None, Some(_)) => Some("a request target in authority form is for CONNECT only"),
+        // RFC 9112 section 3.2.2: the target's authority, not Host, names the
+        // resource; forwarded with the sender's Host, the application would
+        // read another.
+        (Some(_), Some(authority))
+            if host.is_some_and(|host| {
+                !host
+                    .as_bytes()
+                    .eq_ignore_ascii_case(authority.as_str().as_bytes())
+            }) =>
+        {
+            Some("the request target's authority and the Host field differ")
+        }
+        _ if target.path() == "*" && request.method() != Method::OPTIONS => {
+            Some("a request target of `*` is for OPTIONS only")
         }
         _ => None,
     }

@@ -44,6 +44,8 @@ pub struct Route {
     pub on_payload_mismatch: OnPayloadMismatch,
     /// How long keys are kept.
     pub retention: Duration,
+    /// The path (or prefix) as [`canonical_path`] reads it.
+    canonical_path: Vec<u8>,
 }
 
 #[derive(Debug)]
@@ -61,6 +63,57 @@ impl PathMatch {
             }),
         }
     }
+
+    fn matches_canonical(&self, canonical: &[u8], route_canonical: &[u8]) -> bool {
+        match self {
+            PathMatch::Exact(_) => canonical == route_canonical,
+            PathMatch::Prefix(_) => canonical
+                .strip_prefix(route_canonical)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/")),
+        }
+    }
+
+    fn path(&self) -> &str {
+        match self {
+            PathMatch::Exact(path) | PathMatch::Prefix(path) => path,
+        }
+    }
+}
+
+/// A path as web frameworks commonly read it before routing: percent-decoded
+/// (`%2F` included), `\` taken for `/`, `;` parameters (`/a;v=1`), empty
+/// and `.` segments dropped, `..` applied, ASCII letters lower-cased, with no
+/// trailing slash (the root is empty).
+fn canonical_path(path: &str) -> Vec<u8> {
+    let mut canonical = Vec::with_capacity(path.len() + 1);
+    let mut segment_start = 1;
+    let mut in_parameters = false;
+    canonical.push(b'/');
+    let end_segment =
+        |canonical: &mut Vec<u8>, segment_start: usize| match &canonical[segment_start..] {
+            b"" | b"." => canonical.truncate(segment_start - 1),
+            b".." => {
+                canonical.truncate(segment_start - 1);
+                let parent = canonical.iter().rposition(|&byte| byte == b'/');
+                canonical.truncate(parent.unwrap_or(0));
+            }
+            _ => {}
+        };
+    for byte in percent_encoding::percent_decode_str(path) {
+        match byte {
+            b'/' | b'\\' => {
+                end_segment(&mut canonical, segment_start);
+                canonical.push(b'/');
+                segment_start = canonical.len();
+                in_parameters = false;
+            }
+            b';' => in_parameters = true,
+            _ if in_parameters => {}
+            _ => canonical.push(byte.to_ascii_lowercase()),
+        }
+    }
+    end_segment(&mut canonical, segment_start);
+    canonical
 }
 
 impl Route {
@@ -97,6 +150,11 @@ impl Route {
             handshakes,
             keyless_forms,
         ))
+    }
+
+    /// The configured `path` or `path_prefix`.
+    pub fn path(&self) -> &str {
+        self.path.path()
     }
 
     /// Whether this route's settle status for an upstream answer is `done`.
@@ -160,6 +218,29 @@ impl Routes {
             .find(|route| route.path.matches(path) && route.methods.contains(method))
     }
 
+    /// The route a request that matched none was meant for, if it names the
+    /// route's path the way an application may read it (see
+    /// [`canonical_path`]: `/Hooks/Orders/`, `/hooks/%6Frders`,
+    /// `//hooks/./orders`) with one of the route's methods in any letter
+    /// case. Forwarded as unmatched, such a request could reach the
+    /// application's webhook handler unverified and undeduplicated.
+    pub fn near_miss(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
+        let same_method = |route: &&Arc<Route>| {
+            route
+                .methods
+                .iter()
+                .any(|own| own.as_str().eq_ignore_ascii_case(method.as_str()))
+        };
+        let mut candidates = self.routes.iter().filter(same_method).peekable();
+        candidates.peek()?;
+        let canonical = canonical_path(path);
+        candidates.find(|route| {
+            route
+                .path
+                .matches_canonical(&canonical, &route.canonical_path)
+        })
+    }
+
     /// Every route.
     pub fn iter(&self) -> impl Iterator<Item = &Route> {
         self.routes.iter().map(|route| &**route)
@@ -197,9 +278,11 @@ fn compile_route(
         (None, Some(prefix)) => PathMatch::Prefix(prefix.clone()),
         (None, None) => unreachable!("validated: a route has a path"),
     };
+    let canonical_path = canonical_path(path.path());
     Route {
         name: Arc::from(route.name.as_str()),
         path,
+        canonical_path,
         methods: route
             .methods
             .iter()
@@ -243,6 +326,84 @@ mod tests {
         assert_eq!(name("/hooks/other").as_deref(), Some("any"));
         assert_eq!(name("/hooksy"), None);
         assert_eq!(name("/elsewhere"), None);
+    }
+
+    #[test]
+    fn canonical_paths_read_paths_the_way_applications_may() {
+        let canonical = |path: &str| String::from_utf8(canonical_path(path)).unwrap();
+        for (path, expected) in [
+            ("/hooks/orders", "/hooks/orders"),
+            ("/Hooks/ORDERS/", "/hooks/orders"),
+            ("/hooks/%6Frders", "/hooks/orders"),
+            ("/%68ooks%2Forders", "/hooks/orders"),
+            ("//hooks///orders", "/hooks/orders"),
+            ("/hooks/./orders/.", "/hooks/orders"),
+            ("/x/../hooks/y/../orders", "/hooks/orders"),
+            ("/../../hooks/orders", "/hooks/orders"),
+            ("/hooks;a=1/orders;jsessionid=2", "/hooks/orders"),
+            ("\\hooks\\orders", "/hooks/orders"),
+            ("/hooks/orders%20", "/hooks/orders "),
+            ("/hooks/orders%zz", "/hooks/orders%zz"),
+            ("/", ""),
+            ("", ""),
+            ("/..", ""),
+        ] {
+            assert_eq!(canonical(path), expected, "{path}");
+        }
+    }
+
+    #[test]
+    fn variants_of_a_route_are_near_misses_and_other_requests_are_not() {
+        let routes = routes(
+            "routes:
+               - { name: orders, path: /hooks/orders, key: { header: X-Id } }
+               - { name: github, path_prefix: /webhooks/github/, methods: [POST, PUT], key: { header: X-Id } }",
+        );
+        let method = |name: &str| Method::from_bytes(name.as_bytes()).unwrap();
+        let near_miss = |verb: &str, path: &str| {
+            assert!(
+                routes.find(&method(verb), path).is_none(),
+                "{verb} {path} is a route's"
+            );
+            routes
+                .near_miss(&method(verb), path)
+                .map(|r| r.name.to_string())
+        };
+        for path in [
+            "/hooks/orders/",
+            "/HOOKS/Orders",
+            "/%68ooks/orders",
+            "/hooks%2Forders",
+            "//hooks/orders",
+            "/hooks/./orders",
+            "/x/../hooks/orders",
+            "/hooks/orders;x",
+        ] {
+            assert_eq!(near_miss("POST", path).as_deref(), Some("orders"), "{path}");
+        }
+        assert_eq!(
+            near_miss("post", "/hooks/orders").as_deref(),
+            Some("orders")
+        );
+        assert_eq!(
+            near_miss("put", "/Webhooks/GitHub/push").as_deref(),
+            Some("github")
+        );
+        assert_eq!(
+            near_miss("POST", "/webhooks/github").as_deref(),
+            Some("github")
+        );
+        for (verb, path) in [
+            ("GET", "/hooks/orders/"),
+            ("PUT", "/hooks/orders"),
+            ("POST", "/hooks/orders/1"),
+            ("POST", "/hooks/orders-2"),
+            ("POST", "/hooks"),
+            ("POST", "/webhooks/githubx"),
+            ("POST", "/"),
+        ] {
+            assert_eq!(near_miss(verb, path), None, "{verb} {path}");
+        }
     }
 
     #[test]

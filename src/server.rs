@@ -31,7 +31,11 @@ use tokio_rustls::TlsAcceptor;
 
 /// Header fields per request; more get 431.
 const MAX_HEADERS: usize = 100;
-/// HTTP/2 header block size; HTTP/1 is bounded by hyper's read buffer.
+/// Request head size (request line and header fields), over HTTP/2 and
+/// HTTP/1; also HTTP/1's read buffer, which holds a head while it is parsed.
+/// hyper's own HTTP/1 bound is its read buffer's, about 400 KiB, which a
+/// sender could make a connection hold for `limits.header_read_timeout` by
+/// sending a head that never ends.
 const MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
 
 /// How long accepting pauses after an error that is not one connection's.
@@ -281,7 +285,9 @@ fn http1_builder(header_read_timeout: Duration) -> http1::Builder {
         // is noticed when its answer is written instead, and one that only
         // shut down its sending side still gets its answer.
         .half_close(true)
-        .max_headers(MAX_HEADERS);
+        .max_headers(MAX_HEADERS)
+        .max_header_size(MAX_HEADER_LIST_BYTES as usize)
+        .max_buf_size(MAX_HEADER_LIST_BYTES as usize);
     builder
 }
 

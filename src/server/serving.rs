@@ -370,7 +370,7 @@ impl Http {
         };
         match served {
             Ok(()) => {}
-            // hyper has answered it (400, 414 or 431) and closes the
+            // hyper has answered it (400 or 431) and closes the
             // connection; the request never reached the proxy's handler.
             Err(error) if error.is_parse() => {
                 proxy.count_unparsable_request();
