@@ -30,7 +30,9 @@ use crate::metrics::{Metrics, UpstreamSeries};
 use crate::provider;
 use crate::route::{Route, Routes};
 use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
-use crate::upstream::{DedupeHeaders, Peer, Upstream, UpstreamError};
+use crate::upstream::{
+    DedupeHeaders, Peer, RequestBody, SenderBodyError, StreamedBody, Upstream, UpstreamError,
+};
 use crate::verify::{self, Verified};
 
 /// Everything a request needs, shared by all connections.
@@ -217,7 +219,7 @@ impl Proxy {
                         .await
                         .into_response();
                 }
-                None => Box::pin(self.unmatched(request, peer)).await,
+                None => Box::pin(self.unmatched(request, peer, started)).await,
             },
         };
         self.record(
@@ -246,18 +248,29 @@ impl Proxy {
         log_request(webhook, route, trace, answer, started);
     }
 
-    async fn unmatched(&self, request: Request<Incoming>, peer: Peer) -> Answer {
+    async fn unmatched(&self, request: Request<Incoming>, peer: Peer, started: Instant) -> Answer {
         if self.settings.unmatched == Unmatched::Reject {
             return Answer::Rejected(Rejection::NoRoute);
         }
         let (parts, body) = request.into_parts();
+        let body = StreamedBody::new(body, started, self.settings.body_read_timeout);
         let sent_at = Instant::now();
         let result = self.upstream.send(parts, body.boxed(), peer, None).await;
-        self.unmatched_upstream
-            .observe(class_of(&result), sent_at.elapsed());
         match result {
-            Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
-            Err(error) => Answer::UpstreamError(error),
+            Err(UpstreamError::SenderBody(SenderBodyError::Timeout(_))) => {
+                Answer::Rejected(Rejection::Timeout)
+            }
+            Err(UpstreamError::SenderBody(error)) => {
+                Answer::Rejected(Rejection::BadRequest(error.to_string()))
+            }
+            result => {
+                self.unmatched_upstream
+                    .observe(class_of(&result), sent_at.elapsed());
+                match result {
+                    Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
+                    Err(error) => Answer::UpstreamError(error),
+                }
+            }
         }
     }
 
@@ -775,6 +788,6 @@ fn route_source(route: &Route) -> HeaderValue {
     HeaderValue::from_str(&route.name).expect("route names are header-safe")
 }
 
-fn full(body: Bytes) -> http_body_util::combinators::BoxBody<Bytes, hyper::Error> {
+fn full(body: Bytes) -> RequestBody {
     Full::new(body).map_err(|never| match never {}).boxed()
 }

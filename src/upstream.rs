@@ -7,6 +7,8 @@
 mod pool;
 
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,7 +16,7 @@ use http::header::{self, GetAll, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response, Uri};
 use http_body_util::combinators::BoxBody;
-use hyper::body::Incoming;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use crate::config::UpstreamConfig;
 use crate::tls::TlsError;
@@ -33,10 +35,83 @@ pub enum UpstreamError {
     /// No response headers within `upstream.timeout`.
     #[error("the upstream did not answer within {0:?}")]
     Timeout(Duration),
+    /// The sender's streamed body failed on its way: the sender's fault, not
+    /// the upstream's.
+    #[error(transparent)]
+    SenderBody(SenderBodyError),
+}
+
+/// Why a sender's body streamed to the upstream ended before it was whole.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SenderBodyError {
+    /// Not whole within `limits.body_read_timeout` of the request's start.
+    #[error("the request body did not arrive within {0:?}")]
+    Timeout(Duration),
+    /// Cut off, or badly framed (a chunk size that is not one, say).
+    #[error("the request body could not be read: {0}")]
+    Unreadable(String),
 }
 
 /// A request body: buffered, or streamed through from the sender.
-pub type RequestBody = BoxBody<Bytes, hyper::Error>;
+pub type RequestBody = BoxBody<Bytes, SenderBodyError>;
+
+/// A sender's body streamed through to the upstream, which must arrive
+/// whole by a deadline: a sender that stalls would otherwise hold an
+/// upstream connection, and the application's attention, until
+/// `upstream.timeout`.
+pub struct StreamedBody {
+    body: Incoming,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+    // Made on the first wait only: a body that arrived with its head (nearly
+    // every one) costs no timer.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl StreamedBody {
+    /// `body`, due whole `timeout` after `started`.
+    pub fn new(body: Incoming, started: std::time::Instant, timeout: Duration) -> Self {
+        Self {
+            body,
+            deadline: tokio::time::Instant::from_std(started) + timeout,
+            timeout,
+            timer: None,
+        }
+    }
+}
+
+impl Body for StreamedBody {
+    type Data = Bytes;
+    type Error = SenderBodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, SenderBodyError>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
+            return Poll::Ready(frame.map(|frame| {
+                frame.map_err(|error| SenderBodyError::Unreadable(crate::error_chain(&error)))
+            }));
+        }
+        let deadline = this.deadline;
+        let timer = this
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(SenderBodyError::Timeout(this.timeout)))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
 
 /// How long a kept-alive upstream connection may sit unused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);

@@ -187,11 +187,15 @@ impl Answer {
                 let status = match error {
                     UpstreamError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
                     UpstreamError::Connect(_) | UpstreamError::Failed(_) => StatusCode::BAD_GATEWAY,
+                    // Unmatched requests answer it as a rejection; a
+                    // webhook's body is whole before it is sent.
+                    UpstreamError::SenderBody(_) => StatusCode::BAD_REQUEST,
                 };
                 let detail = match error {
                     UpstreamError::Timeout(_) => "the upstream did not answer in time",
                     UpstreamError::Connect(_) => "the upstream could not be reached",
                     UpstreamError::Failed(_) => "the upstream connection failed",
+                    UpstreamError::SenderBody(_) => "the request body could not be read",
                 };
                 plain(status, "upstream-error", detail)
             }

@@ -31,7 +31,7 @@ use tokio::sync::oneshot;
 use tokio::time::Sleep;
 use tower_service::Service;
 
-use super::{RequestBody, UpstreamError};
+use super::{RequestBody, SenderBodyError, UpstreamError};
 use crate::config::UpstreamConfig;
 use crate::error_chain;
 use crate::tls::{self, TlsError};
@@ -189,7 +189,7 @@ impl Pool {
                 }
                 Err(mut error) => match error.take_message() {
                     Some(unsent) if reused => request = unsent,
-                    _ => return Err(UpstreamError::Failed(error_chain(&error.into_error()))),
+                    _ => return Err(failure(error.into_error())),
                 },
             }
         }
@@ -255,6 +255,19 @@ impl Pool {
         tokio::spawn(drive(connection, to_reset));
         Ok(Connection { sender, reset })
     }
+}
+
+/// What a failed exchange was: the sender's body failing on its way, or the
+/// upstream failing.
+fn failure(error: hyper::Error) -> UpstreamError {
+    let mut source = std::error::Error::source(&error);
+    while let Some(cause) = source {
+        if let Some(sender) = cause.downcast_ref::<SenderBodyError>() {
+            return UpstreamError::SenderBody(sender.clone());
+        }
+        source = cause.source();
+    }
+    UpstreamError::Failed(error_chain(&error))
 }
 
 /// Runs a connection until it ends, or resets it when told to. A dropped

@@ -289,4 +289,25 @@ async fn slow_senders_are_cut_off() {
     let status = raw(&app, b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: slow\r\nContent-Length: 100\r\n\r\n{\"partial\":").await;
     assert!(status.starts_with("HTTP/1.1 408"), "{status}");
     assert_healthy_and_untouched(&app).await;
+    // Streamed to the upstream when unmatched, so the upstream sees its
+    // start, then the connection reset: still the sender's fault (408, or
+    // 400 for a body that cannot be read), not the upstream's.
+    assert_each_answered(
+        &app,
+        &[b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"partial\":"],
+        "HTTP/1.1 408",
+    )
+    .await;
+    assert_each_answered(
+        &app,
+        &[b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhiXX0\r\n\r\n"],
+        "HTTP/1.1 400",
+    )
+    .await;
+    app.assert_metrics(&[
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="unmatched"} 2"#,
+        r#"dedupe_upstream_responses_total{class="connect_error",route="unmatched"} 0"#,
+        r#"dedupe_upstream_responses_total{class="timeout",route="unmatched"} 0"#,
+    ])
+    .await;
 }
