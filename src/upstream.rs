@@ -214,6 +214,13 @@ impl Upstream {
         request: Request<RequestBody>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         let mut response = self.pool.send(request).await?;
+        // Only an answer to `Upgrade`, which is never forwarded: passed on,
+        // it would leave the sender waiting on a protocol nobody speaks.
+        if response.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+            return Err(UpstreamError::Failed(
+                "the upstream switched protocols (101), which the proxy does not tunnel".into(),
+            ));
+        }
         strip_hop_by_hop(response.headers_mut());
         Ok(response)
     }

@@ -311,3 +311,54 @@ async fn slow_senders_are_cut_off() {
     ])
     .await;
 }
+
+/// `Upgrade` is never forwarded, so an upstream that switches protocols
+/// anyway would leave the sender on a protocol nobody speaks: 502, and a
+/// webhook's key is `failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_switches_protocols_is_a_failed_upstream() {
+    let switching = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = switching.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = switching.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buffer = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buffer[..n]),
+                    }
+                }
+                let _ = stream
+                    .write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n")
+                    .await;
+                let _ = stream.read(&mut buffer).await;
+            });
+        }
+    });
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("http://{upstream_addr}");
+    })
+    .await;
+    let unmatched = app
+        .send(
+            http::Method::GET,
+            "/ws",
+            &[("connection", "upgrade"), ("upgrade", "websocket")],
+            "",
+        )
+        .await;
+    assert_eq!(
+        (unmatched.status, unmatched.outcome()),
+        (502, "upstream-error")
+    );
+    let webhook = app.deliver("evt_switch", "{}").await;
+    assert_eq!((webhook.status, webhook.outcome()), (502, "upstream-error"));
+    // Settled `failed`: the retry goes to the upstream again.
+    let retry = app.deliver("evt_switch", "{}").await;
+    assert_eq!((retry.status, retry.outcome()), (502, "upstream-error"));
+}
