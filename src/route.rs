@@ -80,6 +80,26 @@ impl PathMatch {
     }
 }
 
+/// Whether [`canonical_path`] would return `path` unchanged: no escapes,
+/// parameters, backslashes or capitals, no empty or dot-led segments, no
+/// trailing slash.
+fn is_canonical(path: &str) -> bool {
+    let bytes = path.as_bytes();
+    if bytes.first() != Some(&b'/') || bytes.ends_with(b"/") {
+        return false;
+    }
+    let mut previous = 0;
+    for &byte in bytes {
+        match byte {
+            b'%' | b';' | b'\\' | b'A'..=b'Z' => return false,
+            b'/' | b'.' if previous == b'/' => return false,
+            _ => {}
+        }
+        previous = byte;
+    }
+    true
+}
+
 /// A path as web frameworks commonly read it before routing: percent-decoded
 /// (`%2F` included), `\` taken for `/`, `;` parameters (`/a;v=1`), empty
 /// and `.` segments dropped, `..` applied, ASCII letters lower-cased, with no
@@ -233,11 +253,18 @@ impl Routes {
         };
         let mut candidates = self.routes.iter().filter(same_method).peekable();
         candidates.peek()?;
-        let canonical = canonical_path(path);
+        // Nearly every path is already canonical, and is then read as it is.
+        let rewritten;
+        let canonical = if is_canonical(path) {
+            path.as_bytes()
+        } else {
+            rewritten = canonical_path(path);
+            &rewritten
+        };
         candidates.find(|route| {
             route
                 .path
-                .matches_canonical(&canonical, &route.canonical_path)
+                .matches_canonical(canonical, &route.canonical_path)
         })
     }
 
@@ -350,6 +377,30 @@ mod tests {
         ] {
             assert_eq!(canonical(path), expected, "{path}");
         }
+    }
+
+    #[test]
+    fn a_path_taken_as_canonical_is_its_own_canonical_form() {
+        let alphabet = ['/', 'a', 'A', '.', '%', '6', 'F', ';', '\\'];
+        let mut paths = vec![String::new()];
+        for _ in 0..5 {
+            let longer: Vec<String> = paths
+                .iter()
+                .flat_map(|path| alphabet.iter().map(move |c| format!("{path}{c}")))
+                .collect();
+            paths.extend(longer);
+            paths.dedup();
+        }
+        let mut canonical = 0;
+        for path in &paths {
+            if is_canonical(path) {
+                canonical += 1;
+                assert_eq!(canonical_path(path), path.as_bytes(), "{path:?}");
+            }
+        }
+        assert!(canonical > 100, "{canonical} of {}", paths.len());
+        assert!(is_canonical("/hooks/unrouted"));
+        assert!(is_canonical("/a.b/c-d_e~f"));
     }
 
     #[test]
