@@ -27,12 +27,9 @@ use record::{InFlight, class_of, log_request};
 use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, Unmatched};
 use crate::key;
 use crate::metrics::{Metrics, UpstreamSeries};
-use crate::provider;
 use crate::route::{Route, Routes};
 use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
-use crate::upstream::{
-    DedupeHeaders, Peer, RequestBody, SenderBodyError, StreamedBody, Upstream, UpstreamError,
-};
+use crate::upstream::{DedupeHeaders, Peer, RequestBody, StreamedBody, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
 
 /// Everything a request needs, shared by all connections.
@@ -255,22 +252,15 @@ impl Proxy {
         let (parts, body) = request.into_parts();
         let body = StreamedBody::new(body, started, self.settings.body_read_timeout);
         let sent_at = Instant::now();
-        let result = self.upstream.send(parts, body.boxed(), peer, None).await;
+        let result = match self.upstream.send(parts, body.boxed(), peer, None).await {
+            Err(UpstreamError::SenderBody(fault)) => return Answer::Rejected(fault.into()),
+            result => result,
+        };
+        self.unmatched_upstream
+            .observe(class_of(&result), sent_at.elapsed());
         match result {
-            Err(UpstreamError::SenderBody(SenderBodyError::Timeout(_))) => {
-                Answer::Rejected(Rejection::Timeout)
-            }
-            Err(UpstreamError::SenderBody(error)) => {
-                Answer::Rejected(Rejection::BadRequest(error.to_string()))
-            }
-            result => {
-                self.unmatched_upstream
-                    .observe(class_of(&result), sent_at.elapsed());
-                match result {
-                    Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
-                    Err(error) => Answer::UpstreamError(error),
-                }
-            }
+            Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
+            Err(error) => Answer::UpstreamError(error),
         }
     }
 
@@ -387,9 +377,7 @@ impl Proxy {
         body: &Bytes,
         trace: &mut Trace,
     ) -> Decision {
-        if provider::is_handshake(&route.handshakes, body)
-            || (route.keyless_forms && provider::is_form(&parts.headers))
-        {
+        if route.is_keyless(&parts.headers, body) {
             return Decision::Pass(PassReason::NotDeduplicated);
         }
         let key = match self.key_of(route, parts, body) {

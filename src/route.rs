@@ -2,14 +2,15 @@
 //! A route carries everything the request flow needs to decide (key source,
 //! status policy, mode); signature schemes slot in beside the key source.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, StatusCode};
+use http::{HeaderMap, Method, StatusCode};
 
 use crate::config::{Config, Mode, OnMissingKey, OnPayloadMismatch, RouteConfig, StatusMatch};
 use crate::key::KeySource;
-use crate::provider::{Handshake, Provider};
+use crate::provider::{self, Handshake, Provider};
 use crate::store::Claim;
 use crate::verify::{BodyHmac, Scheme, Verifier};
 
@@ -44,39 +45,54 @@ pub struct Route {
     pub on_payload_mismatch: OnPayloadMismatch,
     /// How long keys are kept.
     pub retention: Duration,
-    /// The path (or prefix) as [`canonical_path`] reads it.
-    canonical_path: Vec<u8>,
 }
 
+/// A route's `path` or `path_prefix`.
 #[derive(Debug)]
-enum PathMatch {
-    Exact(String),
-    Prefix(String),
+struct PathMatch {
+    path: String,
+    prefix: bool,
+    /// The path as [`canonical_form`] reads it.
+    canonical: Vec<u8>,
 }
 
 impl PathMatch {
+    fn new(path: &str, prefix: bool) -> Self {
+        Self {
+            path: path.to_owned(),
+            prefix,
+            canonical: canonical_form(path).into_owned(),
+        }
+    }
+
     fn matches(&self, path: &str) -> bool {
-        match self {
-            PathMatch::Exact(exact) => path == exact,
-            PathMatch::Prefix(prefix) => path.strip_prefix(prefix.as_str()).is_some_and(|rest| {
-                rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/')
-            }),
+        if !self.prefix {
+            return path == self.path;
         }
+        path.strip_prefix(self.path.as_str()).is_some_and(|rest| {
+            rest.is_empty() || self.path.ends_with('/') || rest.starts_with('/')
+        })
     }
 
-    fn matches_canonical(&self, canonical: &[u8], route_canonical: &[u8]) -> bool {
-        match self {
-            PathMatch::Exact(_) => canonical == route_canonical,
-            PathMatch::Prefix(_) => canonical
-                .strip_prefix(route_canonical)
-                .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/")),
+    /// [`PathMatch::matches`], on paths in their canonical form.
+    fn matches_canonical(&self, canonical: &[u8]) -> bool {
+        if !self.prefix {
+            return canonical == self.canonical;
         }
+        canonical
+            .strip_prefix(self.canonical.as_slice())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/"))
     }
+}
 
-    fn path(&self) -> &str {
-        match self {
-            PathMatch::Exact(path) | PathMatch::Prefix(path) => path,
-        }
+/// A path as web frameworks commonly read it before routing (see
+/// [`canonical_path`]), borrowed when it is already in that form, as nearly
+/// every path is.
+fn canonical_form(path: &str) -> Cow<'_, [u8]> {
+    if is_canonical(path) {
+        Cow::Borrowed(path.as_bytes())
+    } else {
+        Cow::Owned(canonical_path(path))
     }
 }
 
@@ -174,7 +190,7 @@ impl Route {
 
     /// The configured `path` or `path_prefix`.
     pub fn path(&self) -> &str {
-        self.path.path()
+        &self.path.path
     }
 
     /// Whether this route's settle status for an upstream answer is `done`.
@@ -186,6 +202,14 @@ impl Route {
     /// answered 422 on this route.
     pub fn rejects(&self, claim: &Claim) -> bool {
         claim.payload_mismatch() && self.rejects_mismatched_bodies()
+    }
+
+    /// Whether a (verified) request carries no event id by design and is
+    /// forwarded without a claim: one of the route's handshakes, or a form
+    /// on a route that takes forms as keyless.
+    pub fn is_keyless(&self, headers: &HeaderMap, body: &[u8]) -> bool {
+        provider::is_handshake(&self.handshakes, body)
+            || (self.keyless_forms && provider::is_form(headers))
     }
 
     /// Whether `on_payload_mismatch` is `reject`.
@@ -223,8 +247,8 @@ impl Routes {
             routes.push(compiled);
         }
         routes.sort_by_key(|route| match &route.path {
-            PathMatch::Exact(_) => (0, 0),
-            PathMatch::Prefix(prefix) => (1, usize::MAX - prefix.len()),
+            PathMatch { prefix: false, .. } => (0, 0),
+            PathMatch { path, .. } => (1, usize::MAX - path.len()),
         });
         Ok(Self {
             routes: routes.into_iter().map(Arc::new).collect(),
@@ -240,7 +264,7 @@ impl Routes {
 
     /// The route a request that matched none was meant for, if it names the
     /// route's path the way an application may read it (see
-    /// [`canonical_path`]: `/Hooks/Orders/`, `/hooks/%6Frders`,
+    /// [`canonical_form`]: `/Hooks/Orders/`, `/hooks/%6Frders`,
     /// `//hooks/./orders`) with one of the route's methods in any letter
     /// case. Forwarded as unmatched, such a request could reach the
     /// application's webhook handler unverified and undeduplicated.
@@ -253,19 +277,8 @@ impl Routes {
         };
         let mut candidates = self.routes.iter().filter(same_method).peekable();
         candidates.peek()?;
-        // Nearly every path is already canonical, and is then read as it is.
-        let rewritten;
-        let canonical = if is_canonical(path) {
-            path.as_bytes()
-        } else {
-            rewritten = canonical_path(path);
-            &rewritten
-        };
-        candidates.find(|route| {
-            route
-                .path
-                .matches_canonical(canonical, &route.canonical_path)
-        })
+        let canonical = canonical_form(path);
+        candidates.find(|route| route.path.matches_canonical(&canonical))
     }
 
     /// Every route.
@@ -301,15 +314,13 @@ fn compile_route(
         StatusCode::from_u16(code.expect("filled by effective_route")).expect("validated status")
     };
     let path = match (&route.path, &route.path_prefix) {
-        (Some(path), _) => PathMatch::Exact(path.clone()),
-        (None, Some(prefix)) => PathMatch::Prefix(prefix.clone()),
+        (Some(path), _) => PathMatch::new(path, false),
+        (None, Some(prefix)) => PathMatch::new(prefix, true),
         (None, None) => unreachable!("validated: a route has a path"),
     };
-    let canonical_path = canonical_path(path.path());
     Route {
         name: Arc::from(route.name.as_str()),
         path,
-        canonical_path,
         methods: route
             .methods
             .iter()

@@ -9,7 +9,7 @@ use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
-use crate::upstream::UpstreamError;
+use crate::upstream::{SenderBodyError, UpstreamError};
 
 /// The response body type of the webhook listener.
 pub type Body = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
@@ -75,6 +75,16 @@ pub enum Rejection {
     TooLarge(usize),
     /// 422: key reused with another body and `on_payload_mismatch: reject`.
     PayloadMismatch,
+}
+
+/// A sender's streamed body that stalled (408) or could not be read (400).
+impl From<SenderBodyError> for Rejection {
+    fn from(fault: SenderBodyError) -> Self {
+        match fault {
+            SenderBodyError::Timeout(_) => Rejection::Timeout,
+            SenderBodyError::Unreadable(_) => Rejection::BadRequest(fault.to_string()),
+        }
+    }
 }
 
 /// 503 reasons.
