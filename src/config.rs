@@ -214,8 +214,9 @@ pub struct Limits {
     /// connections are closed (slowloris protection).
     #[serde(default = "default_read_timeout", with = "duration")]
     pub header_read_timeout: Duration,
-    /// Longest time a client may take to send a matched request's body;
-    /// slower requests get 408.
+    /// Longest time a client may take to send a request's body, from the
+    /// request's start (an unmatched one's is streamed and cut off); slower
+    /// requests get 408.
     #[serde(default = "default_read_timeout", with = "duration")]
     pub body_read_timeout: Duration,
 }
