@@ -41,9 +41,9 @@ const WRITE_PAUSE: Duration = Duration::from_millis(5);
 /// until exit: dropping it flushes the lines not yet written.
 #[must_use = "dropping the guard stops the log writer"]
 pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
-    let configured = || EnvFilter::try_new(log_level).unwrap_or_else(|_| EnvFilter::new("info"));
+    let configured = || log_filter(log_level).unwrap_or_else(|_| EnvFilter::new("info"));
     let (filter, unusable) = match std::env::var("RUST_LOG") {
-        Ok(value) if !value.is_empty() => match EnvFilter::try_new(&value) {
+        Ok(value) if !value.is_empty() => match log_filter(&value) {
             Ok(filter) => (filter, None),
             Err(error) => (configured(), Some((value, error))),
         },
@@ -63,6 +63,32 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
         tracing::warn!(rust_log = %value, %error, "RUST_LOG is not a log filter; using log_level");
     }
     guard
+}
+
+/// Parses a log filter: comma-separated levels (`trace`, `debug`, `info`,
+/// `warn`, `error`, `off`) and `target=level` directives.
+///
+/// A bare word is refused although `EnvFilter` takes it as a target to log
+/// at every level: written where a level was meant (`warning`, `verbose`) it
+/// would turn off every other line, errors included, without a word.
+pub fn log_filter(directives: &str) -> Result<EnvFilter, String> {
+    if let Some(bare) = directives
+        .split(',')
+        .map(str::trim)
+        .find(|directive| !directive.contains('=') && !is_level(directive))
+    {
+        return Err(format!(
+            "`{bare}` is neither a level (trace, debug, info, warn, error, off) nor a `target=level` directive"
+        ));
+    }
+    EnvFilter::try_new(directives)
+        .map_err(|error| format!("`{directives}` is not a log filter: {error}"))
+}
+
+fn is_level(word: &str) -> bool {
+    ["trace", "debug", "info", "warn", "error", "off"]
+        .iter()
+        .any(|level| word.eq_ignore_ascii_case(level))
 }
 
 /// Lines dropped because the queue to stderr was full, since start-up.
@@ -133,6 +159,30 @@ impl<W: Write> Write for BatchingWriter<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_filter_is_levels_and_target_directives_and_not_bare_words() {
+        for accepted in [
+            "info",
+            "WARN",
+            "off",
+            "info,hyper=warn",
+            "dedupe_proxy::proxy=trace",
+            "[request]=debug",
+        ] {
+            assert!(log_filter(accepted).is_ok(), "{accepted}");
+        }
+        for (refused, naming) in [
+            ("warning", "`warning` is neither a level"),
+            ("verbose", "`verbose` is neither a level"),
+            ("info, dedupe_proxy", "`dedupe_proxy` is neither a level"),
+            ("info,[unclosed", "`[unclosed` is neither a level"),
+            ("hyper=loud", "hyper=loud"),
+        ] {
+            let error = log_filter(refused).expect_err(refused);
+            assert!(error.contains(naming), "{refused}: {error}");
+        }
+    }
 
     /// Records each write it is given, so a test can see how lines were
     /// grouped.

@@ -145,13 +145,10 @@ impl Config {
         ] {
             check(value > 0, format!("{field}: must be at least 1"));
         }
+        let log_filter = crate::telemetry::log_filter(&self.log_level);
         check(
-            tracing_subscriber::EnvFilter::try_new(&self.log_level).is_ok()
-                && self.log_level.split(',').all(is_level_or_target_directive),
-            format!(
-                "log_level: `{}` is not a log filter: use a level (trace, debug, info, warn, error, off) or `target=level` directives",
-                self.log_level
-            ),
+            log_filter.is_ok(),
+            format!("log_level: {}", log_filter.err().unwrap_or_default()),
         );
         check(
             !listeners_collide(self.listen, self.admin_listen),
@@ -440,16 +437,6 @@ fn is_table_name(name: &str) -> bool {
         Some((schema, table)) => identifier(schema, 63) && identifier(table, MAX_TABLE_NAME_BYTES),
         None => identifier(name, MAX_TABLE_NAME_BYTES),
     }
-}
-
-/// `info` or `hyper=debug`, but not a bare word such as `verbose`, which
-/// `tracing` would read as a target name and so log almost nothing.
-fn is_level_or_target_directive(directive: &str) -> bool {
-    let directive = directive.trim();
-    directive.contains('=')
-        || ["trace", "debug", "info", "warn", "error", "off"]
-            .iter()
-            .any(|level| directive.eq_ignore_ascii_case(level))
 }
 
 /// Whether binding both addresses must fail: the same port on the same

@@ -235,19 +235,23 @@ async fn rust_log_wins_over_the_configured_log_level() {
     overridden.terminate();
     assert_eq!(webhook_lines(&overridden.all_log_lines().await), 1);
 
-    // An unusable RUST_LOG is reported, and log_level filters instead.
-    let mut unusable = ProxyProcess::start_with_log_filter(&config, "info,[unclosed").await;
-    assert_eq!(deliver(&unusable, "evt_c").await.outcome(), "forwarded");
-    unusable.terminate();
-    let lines = unusable.all_log_lines().await;
-    assert_eq!(webhook_lines(&lines), 0, "{lines:?}");
-    assert!(
-        lines
-            .iter()
-            .any(|line| line.contains("RUST_LOG is not a log filter")
-                && line.contains(r#""rust_log":"info,[unclosed""#)),
-        "{lines:?}"
-    );
+    // An unusable RUST_LOG is reported, and log_level filters instead. That
+    // includes a mistyped level, which EnvFilter would take as a target and
+    // so turn off every line, the start-up line (readiness) included.
+    for (filter, key) in [("info,[unclosed", "evt_c"), ("warning", "evt_d")] {
+        let mut unusable = ProxyProcess::start_with_log_filter(&config, filter).await;
+        assert_eq!(deliver(&unusable, key).await.outcome(), "forwarded");
+        unusable.terminate();
+        let lines = unusable.all_log_lines().await;
+        assert_eq!(webhook_lines(&lines), 0, "{lines:?}");
+        assert!(
+            lines
+                .iter()
+                .any(|line| line.contains("RUST_LOG is not a log filter")
+                    && line.contains(&format!(r#""rust_log":"{filter}""#))),
+            "{lines:?}"
+        );
+    }
 }
 
 /// `--log-format text` gives human-readable lines, not JSON.
