@@ -154,6 +154,13 @@ impl SqliteStore {
                 };
                 StoreError::Sqlite(format!("cannot open {path}: {reason}"))
             })?;
+        if create {
+            writable(&connection).map_err(|error| {
+                StoreError::Sqlite(format!(
+                    "cannot write to {path}: {error} (check the permissions of the file, of its -wal and -shm files, and of its directory)"
+                ))
+            })?;
+        }
         let (jobs, queue) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("dedupe-sqlite".into())
@@ -355,7 +362,29 @@ fn open_connection(
     connection.pragma_update(None, "journal_mode", "WAL")?;
     // FULL: a commit is on disk before the claim is answered, as in PostgreSQL.
     connection.pragma_update(None, "synchronous", "FULL")?;
+    // A reader that holds a transaction open (a backup, an `sqlite3` session)
+    // keeps the log from being checkpointed back to its start, so it grows
+    // for as long as that lasts; without a limit it keeps that size for good.
+    connection.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
     Ok(connection)
+}
+
+/// What the write-ahead log is cut back to once a checkpoint empties it:
+/// far above the 4 MiB it reaches between SQLite's automatic checkpoints, so
+/// that it is not cut and regrown in the normal course.
+const WAL_SIZE_LIMIT: i64 = 64 << 20;
+
+/// SQLite opens a file it may not write to read-only without a word, and
+/// every claim would then fail; taking the write lock, as a claim would,
+/// finds that out at start-up.
+fn writable(connection: &Connection) -> rusqlite::Result<()> {
+    if connection.is_readonly(rusqlite::MAIN_DB)? {
+        return Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
+            Some("the database is read-only to this process".into()),
+        ));
+    }
+    connection.execute_batch("BEGIN IMMEDIATE; ROLLBACK")
 }
 
 fn now_ms() -> i64 {
@@ -495,5 +524,27 @@ fn classify(won: Option<i32>, prior: Option<Prior>, payload_sha256: &[u8; 32], n
             payload_mismatch,
         },
         (None, _) => Claim::InFlight { payload_mismatch },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_opened_read_only_is_found_out_and_the_log_is_capped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dedupe.db");
+        let connection = open_connection(&path, Duration::from_secs(1), true).unwrap();
+        writable(&connection).unwrap();
+        let limit: i64 = connection
+            .pragma_query_value(None, "journal_size_limit", |row| row.get(0))
+            .unwrap();
+        assert_eq!(limit, WAL_SIZE_LIMIT);
+        // What SQLite falls back to for a file this process may not write.
+        let read_only =
+            Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        let refused = writable(&read_only).unwrap_err();
+        assert!(refused.to_string().contains("read-only"), "{refused}");
     }
 }
