@@ -4,9 +4,11 @@
 
 pub mod keys;
 
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::store::KeyStatus;
@@ -137,6 +139,20 @@ impl From<StatusArg> for KeyStatus {
             StatusArg::Done => KeyStatus::Done,
             StatusArg::Failed => KeyStatus::Failed,
         }
+    }
+}
+
+/// Writes a command's output to stdout. A reader that stops reading early
+/// (`| head`) ends the output quietly, as it does for other command-line
+/// tools; any other failure to write (a full disk) is an error.
+pub fn print(text: &str) -> anyhow::Result<()> {
+    let mut stdout = io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        written => written.context("cannot write to stdout"),
     }
 }
 

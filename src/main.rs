@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use dedupe_proxy::cli::{Cli, Command, keys};
 use dedupe_proxy::config::Secrets;
-use dedupe_proxy::store::{Store, StoreError};
+use dedupe_proxy::store::{Store, StoreError, StoreUrl};
 use dedupe_proxy::{Application, Config, telemetry};
 use tokio_util::sync::CancellationToken;
 
@@ -75,7 +75,7 @@ async fn run(config: &Config) -> anyhow::Result<()> {
 }
 
 async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
-    print!("{}", serde_yaml::to_string(&config.effective())?);
+    dedupe_proxy::cli::print(&serde_yaml::to_string(&config.effective())?)?;
     // Warnings went to stderr, which keeps stdout parseable YAML.
     if connect {
         // A check leaves no empty SQLite file behind (at a mistyped path,
@@ -83,6 +83,14 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
         let reached = async { Store::open_existing(&config.store)?.ping().await };
         match reached.await {
             Ok(()) => eprintln!("store: reachable"),
+            Err(StoreError::MissingTable(_))
+                if let Some(path) = StoreUrl::missing_sqlite_file(&config.store.url) =>
+            {
+                eprintln!(
+                    "store: there is no SQLite file at {} yet (`dedupe-proxy migrate`, or start-up, creates it)",
+                    path.display()
+                );
+            }
             // Before the first start or `migrate`, that is expected.
             Err(StoreError::MissingTable(said)) => eprintln!(
                 "store: reachable; the claims table `{}` does not exist yet ({said}; `dedupe-proxy migrate`, or start-up with store.migrate: true, creates it)",

@@ -425,6 +425,18 @@ impl StoreUrl {
         }
     }
 
+    /// For a `sqlite://` URL whose file does not exist, the file's full path:
+    /// a relative path is read from the working directory, which is easy to
+    /// get wrong when running a command by hand.
+    pub fn missing_sqlite_file(url: &str) -> Option<std::path::PathBuf> {
+        match Self::parse(url) {
+            Ok(StoreUrl::Sqlite(path)) if !std::path::Path::new(&path).exists() => {
+                std::path::absolute(&path).ok()
+            }
+            _ => None,
+        }
+    }
+
     /// The URL with any password replaced, for printing.
     pub fn redact(url: &str) -> String {
         let Some((scheme, rest)) = url.split_once("://") else {

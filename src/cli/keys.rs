@@ -16,7 +16,7 @@ use crate::store::{Forget, KeyFilter, KeyRecord, Release, Store, StoreError, Sto
 
 /// Runs one `keys` subcommand, printing its result on stdout.
 pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
-    let store = open(config)?;
+    let store = open(config).await?;
     let explain = |error| explain(config, error);
     match command {
         KeysCommand::List {
@@ -31,18 +31,20 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
                 limit,
             };
             let records = store.list(&filter).await.map_err(explain)?;
-            print!("{}", render_list(&records, json));
+            super::print(&render_list(&records, json))?;
         }
         KeysCommand::Show { source, key, json } => {
             match store.show(&source, &key).await.map_err(explain)? {
-                Some(record) => print!("{}", render_one(&record, json)),
+                Some(record) => super::print(&render_one(&record, json))?,
                 None => return Err(missing(config, &source, &key)),
             }
         }
         KeysCommand::Forget { source, key, force } => {
             match store.forget(&source, &key, force).await.map_err(explain)? {
                 Forget::Forgotten => {
-                    println!("forgot {source} {key}: its next delivery will be processed again");
+                    super::print(&format!(
+                        "forgot {source} {key}: its next delivery will be processed again\n"
+                    ))?;
                 }
                 Forget::Missing => return Err(missing(config, &source, &key)),
                 Forget::InFlight { lease_expires_at } => bail!(
@@ -53,9 +55,9 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
         }
         KeysCommand::Release { source, key } => {
             match store.release(&source, &key).await.map_err(explain)? {
-                Release::Released { attempt } => println!(
-                    "released {source} {key}: attempt {attempt} is now failed, so the next delivery will be forwarded"
-                ),
+                Release::Released { attempt } => super::print(&format!(
+                    "released {source} {key}: attempt {attempt} is now failed, so the next delivery will be forwarded\n"
+                ))?,
                 Release::Missing => return Err(missing(config, &source, &key)),
                 Release::NotProcessing(status) => bail!(
                     "key `{key}` of source `{source}` is {status}, not processing: nothing to release"
@@ -70,15 +72,12 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
 /// for every source, and prints how many keys it deleted.
 pub async fn prune(config: &Config, older_than: Option<Duration>) -> anyhow::Result<()> {
     let plan = PrunePlan::new(config, older_than);
-    let pruner = Pruner::new(open(config)?, plan, Metrics::new());
+    let pruner = Pruner::new(open(config).await?, plan, Metrics::new());
     match pruner.run_once().await {
-        Ok(Round::Pruned { deleted }) => {
-            println!(
-                "pruned {deleted} {}",
-                if deleted == 1 { "key" } else { "keys" }
-            );
-            Ok(())
-        }
+        Ok(Round::Pruned { deleted }) => super::print(&format!(
+            "pruned {deleted} {}\n",
+            if deleted == 1 { "key" } else { "keys" }
+        )),
         Ok(Round::Skipped) => bail!(
             "another process is pruning this table (it holds the prune lock); nothing was deleted, try again later"
         ),
@@ -87,13 +86,26 @@ pub async fn prune(config: &Config, older_than: Option<Duration>) -> anyhow::Res
     }
 }
 
-fn open(config: &Config) -> anyhow::Result<Store> {
-    Store::open_existing(&config.store).map_err(|error| explain(config, error))
+/// Opens the store and checks that its table is a claims table, so that a
+/// missing or foreign table is named as such rather than by the first
+/// statement that trips on it.
+async fn open(config: &Config) -> anyhow::Result<Store> {
+    let store = Store::open_existing(&config.store).map_err(|error| explain(config, error))?;
+    store.ping().await.map_err(|error| explain(config, error))?;
+    Ok(store)
 }
 
 fn explain(config: &Config, error: StoreError) -> anyhow::Error {
     let store = StoreUrl::redact(&config.store.url);
     match error {
+        StoreError::MissingTable(_)
+            if let Some(path) = StoreUrl::missing_sqlite_file(&config.store.url) =>
+        {
+            anyhow!(
+                "there is no SQLite file at {} ({store}; a relative path is read from the working directory): run the command where the proxy runs, or write the path in full; `dedupe-proxy migrate` would create a new, empty database there",
+                path.display()
+            )
+        }
         StoreError::MissingTable(_) => anyhow!(
             "the table `{}` does not exist in {store}: create it with `dedupe-proxy migrate`",
             config.store.table

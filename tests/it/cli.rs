@@ -447,8 +447,10 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
     let out = run(&["check-config", "--connect"], Some(&config), &[]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
-        out.stderr
-            .contains("the claims table `processed_events` does not exist yet"),
+        out.stderr.contains(&format!(
+            "store: there is no SQLite file at {} yet",
+            dir.path().join("fresh.db").display()
+        )),
         "{}",
         out.stderr
     );
@@ -456,6 +458,17 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
         !dir.path().join("fresh.db").exists(),
         "the check created the file"
     );
+    // An empty file is an empty database.
+    std::fs::write(dir.path().join("fresh.db"), "").unwrap();
+    let out = run(&["check-config", "--connect"], Some(&config), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("the claims table `processed_events` does not exist yet"),
+        "{}",
+        out.stderr
+    );
+    std::fs::remove_file(dir.path().join("fresh.db")).unwrap();
     let missing_dir = format!("sqlite://{}", dir.path().join("typo/fresh.db").display());
     std::fs::write(dir.path().join("a-file"), "").unwrap();
     let file_as_dir = format!("sqlite://{}", dir.path().join("a-file/fresh.db").display());
@@ -545,7 +558,13 @@ async fn a_table_that_is_not_a_claims_table_is_named_as_such() {
         let store = TestStore::new(backend).await;
         crate::rows::batch(&store, "CREATE TABLE orders (id integer)").await;
         let config = format!("store: {{ url: '{}', table: orders }}\n", store.url);
-        for command in [&["migrate"][..], &["check-config", "--connect"]] {
+        for command in [
+            &["migrate"][..],
+            &["check-config", "--connect"],
+            &["keys", "list"],
+            &["keys", "show", "orders", "k"],
+            &["prune"],
+        ] {
             let out = run(command, Some(&config), &[]);
             assert_eq!(out.code, 1, "{backend:?} {command:?}: {}", out.stderr);
             assert!(

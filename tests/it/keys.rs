@@ -23,6 +23,7 @@ on_both_stores!(
     keys_forget_keeps_a_key_in_flight_unless_forced,
     keys_release_fails_a_processing_key_and_nothing_else,
     the_commands_report_a_missing_table_without_creating_it,
+    output_to_a_closed_pipe_ends_quietly_and_to_a_full_disk_fails,
     prune_deletes_keys_past_their_horizon_or_the_override,
 );
 
@@ -369,13 +370,31 @@ async fn keys_release_fails_a_processing_key_and_nothing_else(backend: Backend) 
 async fn the_commands_report_a_missing_table_without_creating_it(backend: Backend) {
     let db = TestStore::new(backend).await;
     let config = config(&db);
-    for args in [
+    let commands = [
         &["keys", "list"][..],
         &["keys", "show", "orders", "k"],
         &["keys", "forget", "orders", "k"],
         &["keys", "release", "orders", "k"],
         &["prune"],
-    ] {
+    ];
+    // A SQLite file that is not there is most likely a relative path read
+    // from another working directory: the message names the full path.
+    if let Some(path) = db.url.strip_prefix("sqlite://") {
+        for args in commands {
+            let out = keys(args, &config);
+            assert_eq!(out.code, 1, "{args:?}: {}", out.stdout);
+            assert!(
+                out.stderr
+                    .contains(&format!("there is no SQLite file at {path} ")),
+                "{args:?}: {}",
+                out.stderr
+            );
+        }
+        assert!(!std::path::Path::new(path).exists(), "a file was created");
+        // An empty file is an empty database.
+        std::fs::write(path, "").unwrap();
+    }
+    for args in commands {
         let out = keys(args, &config);
         assert_eq!(out.code, 1, "{args:?}: {}", out.stdout);
         assert!(
@@ -386,6 +405,43 @@ async fn the_commands_report_a_missing_table_without_creating_it(backend: Backen
         );
     }
     assert!(!rows::table_exists(&db).await);
+}
+
+/// A reader that stops early (`keys list | head`) ends the output without a
+/// panic or a failure; a stdout that cannot be written to is a failure.
+async fn output_to_a_closed_pipe_ends_quietly_and_to_a_full_disk_fails(backend: Backend) {
+    let (db, config) = seeded(backend).await;
+    // More than a pipe's buffer holds, so the writes must meet the closed end.
+    rows::insert_old(&db, "orders", 3_000, HOUR).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, config).unwrap();
+    let command = || {
+        let mut command = std::process::Command::new(crate::cli::BINARY);
+        command
+            .args(["keys", "list", "--limit", "3000", "--config"])
+            .arg(&path)
+            .stderr(std::process::Stdio::piped());
+        command
+    };
+    let mut closed = command()
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(closed.stdout.take());
+    let closed = closed.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&closed.stderr);
+    assert_eq!(closed.status.code(), Some(0), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+
+    let full = command()
+        .stdout(std::fs::File::create("/dev/full").unwrap())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&full.stderr);
+    assert_eq!(full.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot write to stdout"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 async fn prune_deletes_keys_past_their_horizon_or_the_override(backend: Backend) {
