@@ -39,6 +39,8 @@ const MAX_GROUP: usize = 256;
 /// Claims recorded in an SQLite file.
 pub struct SqliteStore {
     jobs: mpsc::Sender<Job>,
+    /// The database's files as opened, to notice them deleted or replaced.
+    files: Vec<OpenedFile>,
     table: String,
     sql: Statements,
     keys: Arc<keys::Statements>,
@@ -161,6 +163,11 @@ impl SqliteStore {
                 ))
             })?;
         }
+        // While a connection is open, SQLite keeps the -wal and -shm files.
+        let files = ["", "-wal", "-shm"]
+            .into_iter()
+            .filter_map(|suffix| OpenedFile::at(format!("{path}{suffix}")))
+            .collect();
         let (jobs, queue) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("dedupe-sqlite".into())
@@ -168,6 +175,7 @@ impl SqliteStore {
             .map_err(|error| StoreError::Sqlite(error.to_string()))?;
         Ok(Self {
             jobs,
+            files,
             table: config.table.clone(),
             sql: Statements::new(&config.table),
             keys: Arc::new(keys::Statements::new(&config.table)),
@@ -369,6 +377,31 @@ fn open_connection(
     Ok(connection)
 }
 
+/// A file as it was opened: its path and which file that path named.
+struct OpenedFile {
+    path: String,
+    identity: (u64, u64),
+}
+
+impl OpenedFile {
+    fn at(path: String) -> Option<Self> {
+        let identity = identity(&path)?;
+        Some(Self { path, identity })
+    }
+
+    /// Whether the path still names the file that was opened.
+    fn still_there(&self) -> bool {
+        identity(&self.path) == Some(self.identity)
+    }
+}
+
+fn identity(path: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .ok()
+        .map(|metadata| (metadata.dev(), metadata.ino()))
+}
+
 /// What the write-ahead log is cut back to once a checkpoint empties it:
 /// far above the 4 MiB it reaches between SQLite's automatic checkpoints, so
 /// that it is not cut and regrown in the normal course.
@@ -410,7 +443,14 @@ impl Backend for SqliteStore {
         let probe = self.sql.probe.clone();
         self.call(move |connection| connection.prepare(&probe)?.query([]).map(drop))
             .await
-            .map_err(|error| self.shape_error(error))
+            .map_err(|error| self.shape_error(error))?;
+        match self.files.iter().find(|file| !file.still_there()) {
+            None => Ok(()),
+            Some(gone) => Err(StoreError::Sqlite(format!(
+                "{} was deleted, moved or replaced while the proxy had it open: the proxy goes on using the file it opened, which is lost when it stops, and another process opening the path would not see its keys (or would corrupt the database, for a -wal or -shm file); stop the proxy and put the files back",
+                gone.path
+            ))),
+        }
     }
 
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {

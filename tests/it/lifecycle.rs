@@ -412,6 +412,31 @@ async fn readyz_answers_503_while_the_claims_table_is_missing(backend: Backend) 
     assert_eq!(app.deliver("evt_ready", "{}").await.outcome(), "forwarded");
 }
 
+/// The SQLite files deleted or replaced under a running proxy: it goes on
+/// with the files it opened, so nothing fails on its own; readiness says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_answers_503_once_the_sqlite_files_are_deleted_or_replaced() {
+    for (suffix, replace) in [("", true), ("-wal", false), ("-shm", false)] {
+        let store = Arc::new(TestStore::new(Backend::Sqlite).await);
+        let app = TestApp::start(Arc::clone(&store), Upstream::start().await, |_| {}).await;
+        assert_eq!(app.deliver("evt_before", "{}").await.outcome(), "forwarded");
+        let path = format!("{}{suffix}", store.url.strip_prefix("sqlite://").unwrap());
+        std::fs::remove_file(&path).unwrap();
+        if replace {
+            std::fs::write(&path, "").unwrap();
+        }
+        let not_ready = app.admin_get("/readyz").await;
+        assert_eq!(not_ready.status, 503, "{suffix}: {}", not_ready.body);
+        assert!(
+            not_ready.body.starts_with(&format!(
+                "store unavailable: sqlite: {path} was deleted, moved or replaced while the proxy had it open"
+            )),
+            "{suffix}: {}",
+            not_ready.body
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_starts_with_the_store_down_and_serves_once_it_answers() {
     let store = Arc::new(TestStore::new(Backend::Postgres).await);
