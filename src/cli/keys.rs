@@ -110,6 +110,11 @@ fn explain(config: &Config, error: StoreError) -> anyhow::Error {
             "the table `{}` does not exist in {store}: create it with `dedupe-proxy migrate`",
             config.store.table
         ),
+        StoreError::Timeout(_) if config.store.url.starts_with("sqlite://") => {
+            anyhow::Error::new(error).context(format!(
+                "store {store} (another process may be holding the file's write lock: an sqlite3 session with a transaction open, a VACUUM)"
+            ))
+        }
         other => anyhow::Error::new(other).context(format!("store {store}")),
     }
 }

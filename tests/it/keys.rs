@@ -494,3 +494,22 @@ async fn prune_exits_1_while_another_process_holds_the_prune_lock() {
     );
     assert_eq!(rows::keys(&db).await.len(), 3);
 }
+
+/// Another process holding the SQLite file's write lock (an `sqlite3`
+/// session, say) makes a command that writes wait `store.timeout` and fail,
+/// saying what may be holding it.
+#[tokio::test]
+async fn a_held_sqlite_write_lock_is_named_when_a_command_gives_up() {
+    let (db, _) = seeded(Backend::Sqlite).await;
+    let holder = rusqlite::Connection::open(db.url.strip_prefix("sqlite://").unwrap()).unwrap();
+    holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let config = format!("store: {{ url: '{}', timeout: 300ms }}\n", db.url);
+    let out = keys(&["keys", "forget", "orders", "evt_done"], &config);
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(out.stderr.contains("lock"), "{}", out.stderr);
+    holder.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(
+        keys(&["keys", "forget", "orders", "evt_done"], &config).code,
+        0
+    );
+}
