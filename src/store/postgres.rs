@@ -38,6 +38,8 @@ pub struct PostgresStore {
     sql: Arc<Statements>,
     keys: keys::Statements,
     table: String,
+    /// The claims table's column names, for the shape check.
+    column_names: Vec<&'static str>,
     batches: OnceLock<Batches>,
     home: Home,
     /// `store.timeout`: how long a claim's caller waits for it.
@@ -104,6 +106,7 @@ impl PostgresStore {
             sql: Arc::new(Statements::new(&config.table, &instance)),
             keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
+            column_names: sql::claims_column_names(),
             batches: OnceLock::new(),
             home,
             claim_timeout: config.timeout,
@@ -138,6 +141,38 @@ impl PostgresStore {
             .query_typed(sql, params)
             .await
             .map_err(postgres_error)
+    }
+
+    fn shape_parameters(&self) -> [(&(dyn ToSql + Sync), Type); 2] {
+        [
+            (&self.sql.table_regclass, Type::TEXT),
+            (&self.column_names, Type::TEXT_ARRAY),
+        ]
+    }
+
+    /// Refuses a table that is not the claims table, naming what differs:
+    /// a column's type the statements would fail to decode, or a missing
+    /// primary key that every claim's `ON CONFLICT` would trip on.
+    fn check_shape(
+        &self,
+        shape: Result<Vec<Row>, tokio_postgres::Error>,
+    ) -> Result<(), StoreError> {
+        let rows = shape.map_err(postgres_error)?;
+        let row = rows
+            .first()
+            .ok_or_else(|| StoreError::Postgres("the table's shape could not be read".into()))?;
+        let types: Vec<Option<String>> = row
+            .try_get::<_, Option<Vec<Option<String>>>>(0)
+            .map_err(postgres_error)?
+            .unwrap_or_default();
+        let keyed: bool = row.try_get(1).map_err(postgres_error)?;
+        match sql::shape_problem(&types, keyed) {
+            None => Ok(()),
+            Some(problem) => Err(StoreError::NotClaimsTable {
+                table: self.table.clone(),
+                problem,
+            }),
+        }
     }
 
     /// A column missing from an existing table: `store.table` names some
@@ -222,6 +257,12 @@ impl Session {
             };
             match named.await {
                 Err(error) if lost_named_statement(&error) => self.lose_named_statements(&error),
+                // A column's type changed under the statement (ALTER TABLE),
+                // and PostgreSQL will not plan it again with another result
+                // type: it is prepared anew next time, and runs unnamed now.
+                Err(error) if result_type_changed(&error) => {
+                    client.statement_cache.remove(sql, &types(params));
+                }
                 rows => return rows.map_err(postgres_error),
             }
         }
@@ -268,6 +309,15 @@ fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
     ]
     .iter()
     .any(|code| error.code() == Some(code))
+}
+
+/// Whether a cached statement was refused because the table it reads
+/// changed the type of a column it returns.
+fn result_type_changed(error: &tokio_postgres::Error) -> bool {
+    error.as_db_error().is_some_and(|db| {
+        db.code() == &SqlState::FEATURE_NOT_SUPPORTED
+            && db.message() == "cached plan must not change result type"
+    })
 }
 
 /// This process's instance, for the statements' guard: random, so that no
@@ -335,20 +385,19 @@ impl Backend for PostgresStore {
                 .await
                 .map_err(|error| self.shape_error(error))?;
         }
-        transaction
-            .simple_query(&self.sql.probe)
-            .await
-            .map_err(|error| self.shape_error(error))?;
+        let shape = transaction
+            .query_typed(&self.sql.probe, &self.shape_parameters())
+            .await;
+        self.check_shape(shape)?;
         transaction.commit().await.map_err(postgres_error)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         let client = self.client().await?;
-        client
-            .simple_query(&self.sql.probe)
-            .await
-            .map(drop)
-            .map_err(|error| self.shape_error(error))
+        let shape = client
+            .query_typed(&self.sql.probe, &self.shape_parameters())
+            .await;
+        self.check_shape(shape)
     }
 
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {

@@ -582,6 +582,58 @@ async fn a_table_that_is_not_a_claims_table_is_named_as_such() {
     }
 }
 
+/// A table with the claims table's columns but other types, or without its
+/// primary key, would fail every claim (or, for a type, every decode): it is
+/// refused by name before anything is written, by every command (and by
+/// `/readyz`, which runs the same check).
+#[tokio::test]
+async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let config = format!("store: {{ url: '{}' }}\n", store.url);
+    let create = |attempts: &str, key: &str| {
+        format!(
+            "DROP TABLE IF EXISTS processed_events;
+             CREATE TABLE processed_events (
+               source text NOT NULL, event_id text NOT NULL, status text NOT NULL,
+               attempts {attempts} NOT NULL DEFAULT 1, payload_sha256 bytea, response_status smallint,
+               received_at timestamptz NOT NULL DEFAULT now(), claimed_at timestamptz NOT NULL DEFAULT now(),
+               lease_expires_at timestamptz, completed_at timestamptz{key});"
+        )
+    };
+    for (sql, why) in [
+        (
+            create("bigint", ", PRIMARY KEY (source, event_id)"),
+            "column attempts is bigint, not integer",
+        ),
+        (
+            create("integer", ""),
+            "no primary key or unique index on (source, event_id)",
+        ),
+    ] {
+        crate::rows::batch(&store, &sql).await;
+        for command in [
+            &["migrate"][..],
+            &["check-config", "--connect"],
+            &["keys", "list"],
+            &["prune"],
+        ] {
+            let out = run(command, Some(&config), &[]);
+            assert_eq!(out.code, 1, "{command:?}: {}", out.stderr);
+            assert!(
+                out.stderr.contains(&format!(
+                    "the table `processed_events` is not a dedupe-proxy claims table ({why})"
+                )),
+                "{command:?}: {}",
+                out.stderr
+            );
+        }
+    }
+    // A unique index on the two columns, in either order, does as well.
+    crate::rows::batch(&store, &create("integer", ", UNIQUE (event_id, source)")).await;
+    let out = run(&["migrate"], Some(&config), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}
+
 #[test]
 fn migrate_against_an_unreachable_store_exits_1() {
     let out = run(

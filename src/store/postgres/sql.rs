@@ -1,7 +1,7 @@
 //! The claim, settle and schema statements for one table name, made once at
 //! start-up. What each decides, and why, is in the statements' comments.
 
-use crate::store::{COLUMNS, sql_identifier};
+use crate::store::sql_identifier;
 
 /// The statements the request path and `migrate` run.
 ///
@@ -34,8 +34,8 @@ pub(super) struct Statements {
     /// Reads the keys a claim lost to a row it could not see (see
     /// `BatchRunner::recheck_lost`).
     pub(super) recheck: String,
-    /// Reads nothing from the table: fails if it does not exist or lacks a
-    /// column.
+    /// Reads the table's shape from the catalog (see [`shape_problem`]):
+    /// fails if the table does not exist.
     pub(super) probe: String,
     /// Refreshes the table's statistics (see `Growth`).
     pub(super) analyze: String,
@@ -164,7 +164,7 @@ impl Statements {
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
                  )
-                 SELECT i.ord, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
+                 SELECT i.ord, c.attempts IS NOT NULL, coalesce(c.attempts, 0)::int4,
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
                         coalesce(extract(epoch FROM now() - p.received_at)::float8, 0),
                         coalesce({prior_takeable}, false)
@@ -204,7 +204,7 @@ impl Statements {
                         response_status = NULL, completed_at = NULL
                    FROM retakable r
                   WHERE e.source = r.source AND e.event_id = r.event_id AND {latest_takeable}
-                 RETURNING r.ord, e.attempts, e.payload_sha256, r.status"
+                 RETURNING r.ord, e.attempts::int4, e.payload_sha256, r.status"
             ),
             // Fenced per row: only the attempt that owns a key settles it.
             // A `done` may also land on its own attempt's release (`failed`
@@ -236,7 +236,7 @@ impl Statements {
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING attempts, payload_sha256
                  )
-                 SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0),
+                 SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0)::int4,
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
                         coalesce(extract(epoch FROM now() - p.received_at)::float8, 0),
                         coalesce({prior_one_takeable}, false)
@@ -258,10 +258,70 @@ impl Statements {
                    JOIN {table} e USING (source, event_id)
                   WHERE {third_guard}"
             ),
-            probe: format!("SELECT {COLUMNS} FROM {table} LIMIT 0"),
+            probe: SHAPE.to_owned(),
             analyze: format!("ANALYZE {table}"),
         }
     }
+}
+
+/// The claims table's columns and their types as `format_type` writes them.
+/// The statements decode `attempts` and `response_status` as these exact
+/// integer types, and claim through the primary key.
+const CLAIMS_COLUMNS: [(&str, &str); 10] = [
+    ("source", "text"),
+    ("event_id", "text"),
+    ("status", "text"),
+    ("attempts", "integer"),
+    ("payload_sha256", "bytea"),
+    ("response_status", "smallint"),
+    ("received_at", "timestamp with time zone"),
+    ("claimed_at", "timestamp with time zone"),
+    ("lease_expires_at", "timestamp with time zone"),
+    ("completed_at", "timestamp with time zone"),
+];
+
+/// With `$1` the table (text, as for `regclass`) and `$2` the column names:
+/// each column's type (NULL where there is none), in their order, and
+/// whether a unique index on exactly `(source, event_id)`, which the claim's
+/// `ON CONFLICT` needs, is in place. A missing table fails the cast.
+const SHAPE: &str = "SELECT
+       (SELECT array_agg(format_type(a.atttypid, a.atttypmod) ORDER BY c.ord)
+          FROM unnest($2::text[]) WITH ORDINALITY AS c(name, ord)
+          LEFT JOIN pg_attribute a
+            ON a.attrelid = $1::regclass AND a.attname = c.name
+           AND a.attnum > 0 AND NOT a.attisdropped),
+       EXISTS (SELECT 1 FROM pg_index i
+                WHERE i.indrelid = $1::regclass AND i.indisunique AND i.indisvalid
+                  AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 2
+                  AND (SELECT array_agg(a.attname::text ORDER BY a.attname)
+                         FROM pg_attribute a
+                        WHERE a.attrelid = i.indrelid AND a.attnum IN (i.indkey[0], i.indkey[1]))
+                      = ARRAY['event_id', 'source'])";
+
+/// The column names [`SHAPE`] takes as `$2`.
+pub(super) fn claims_column_names() -> Vec<&'static str> {
+    CLAIMS_COLUMNS.iter().map(|(name, _)| *name).collect()
+}
+
+/// What keeps a table of these column types (`None` for a missing column),
+/// with or without a unique index on `(source, event_id)`, from being the
+/// claims table; `None` when nothing does.
+pub(super) fn shape_problem(types: &[Option<String>], keyed: bool) -> Option<String> {
+    let mut problems: Vec<String> = CLAIMS_COLUMNS
+        .iter()
+        .zip(types)
+        .filter_map(|((name, wanted), found)| match found {
+            None => Some(format!("no column {name}")),
+            Some(found) if found != wanted => {
+                Some(format!("column {name} is {found}, not {wanted}"))
+            }
+            Some(_) => None,
+        })
+        .collect();
+    if !keyed {
+        problems.push("no primary key or unique index on (source, event_id)".into());
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
 }
 
 /// `unnest` over the statement's parameters `$1`, `$2`, … as arrays of
@@ -308,6 +368,24 @@ mod tests {
     }
 
     const OURS: &str = "0123456789abcdef";
+
+    #[test]
+    fn a_shape_problem_names_every_column_that_differs_and_a_missing_key() {
+        let mut types: Vec<Option<String>> = CLAIMS_COLUMNS
+            .iter()
+            .map(|(_, wanted)| Some((*wanted).to_owned()))
+            .collect();
+        assert_eq!(shape_problem(&types, true), None);
+        types[3] = Some("bigint".into());
+        types[9] = None;
+        assert_eq!(
+            shape_problem(&types, false).as_deref(),
+            Some(
+                "column attempts is bigint, not integer; no column completed_at; \
+                 no primary key or unique index on (source, event_id)"
+            )
+        );
+    }
 
     async fn connect() -> tokio_postgres::Client {
         let url = std::env::var("DATABASE_URL")
