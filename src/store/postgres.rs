@@ -195,7 +195,15 @@ impl Session {
             StoreError::Postgres(match error {
                 // deadpool words these as a pool of "objects".
                 PoolError::Backend(error) => {
-                    format!("cannot connect to {server}: {}", error_chain(&error))
+                    let said = error_chain(&error);
+                    // tokio-postgres's words for a server that is read-only
+                    // (`target_session_attrs=read-write`, the default).
+                    let hint = if said.contains("database does not allow writes") {
+                        " (a standby, or a server read-only by default: point store.url at the primary, or list every server, postgres://host1,host2/db, and the proxy takes the one that accepts writes)"
+                    } else {
+                        ""
+                    };
+                    format!("cannot connect to {server}: {said}{hint}")
                 }
                 PoolError::Timeout(TimeoutType::Create) => {
                     format!("cannot connect to {server}: timed out")

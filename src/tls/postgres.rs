@@ -15,7 +15,7 @@ use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, SignatureScheme};
-use tokio_postgres::config::SslMode;
+use tokio_postgres::config::{SslMode, TargetSessionAttrs};
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -41,8 +41,13 @@ pub fn postgres_config(
         sslmode,
         rootcert,
         tcp_user_timeout,
+        target_session_attrs,
     } = take_libpq_parameters(url)?;
     let mut config: tokio_postgres::Config = url.parse().map_err(|e| crate::error_chain(&e))?;
+    // A standby (or a server read-only by default) would take the
+    // connection and then refuse every claim; such a server is passed over
+    // as it is connected to, so a URL listing several hosts finds the primary.
+    config.target_session_attrs(target_session_attrs);
     // libpq: 0, or less, leaves it to the kernel.
     match tcp_user_timeout.map_or(user_timeout, |millis| {
         u64::try_from(millis)
@@ -126,6 +131,7 @@ struct LibpqParameters {
     rootcert: Option<PathBuf>,
     /// Milliseconds.
     tcp_user_timeout: Option<i64>,
+    target_session_attrs: TargetSessionAttrs,
 }
 
 fn take_libpq_parameters(url: &str) -> Result<LibpqParameters, String> {
@@ -134,6 +140,7 @@ fn take_libpq_parameters(url: &str) -> Result<LibpqParameters, String> {
         sslmode: None,
         rootcert: None,
         tcp_user_timeout: None,
+        target_session_attrs: TargetSessionAttrs::ReadWrite,
     };
     let Some(query_start) = query_start(url) else {
         return Ok(taken);
@@ -166,6 +173,18 @@ fn take_libpq_parameters(url: &str) -> Result<LibpqParameters, String> {
                     ));
                 }
                 taken.tcp_user_timeout = Some(millis);
+            }
+            Some(("target_session_attrs", value)) => {
+                taken.target_session_attrs = match decoded("target_session_attrs", value)?.as_str()
+                {
+                    "read-write" | "primary" => TargetSessionAttrs::ReadWrite,
+                    "any" => TargetSessionAttrs::Any,
+                    other => {
+                        return Err(format!(
+                            "target_session_attrs `{other}`: the proxy writes every claim, so it needs a server that takes writes: read-write (the default; primary is read the same way) or any"
+                        ));
+                    }
+                };
             }
             _ => kept.push(pair),
         }
@@ -317,6 +336,40 @@ impl ServerCertVerifier for Unverified {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_that_takes_writes_is_asked_for_unless_the_url_says_any() {
+        let attrs = |url: &str| {
+            postgres_config(url, None).map(|(config, _)| config.get_target_session_attrs())
+        };
+        for (url, wanted) in [
+            ("postgres://h/db", TargetSessionAttrs::ReadWrite),
+            (
+                "postgres://h1,h2/db?target_session_attrs=read-write",
+                TargetSessionAttrs::ReadWrite,
+            ),
+            (
+                "postgres://h/db?target_session_attrs=primary",
+                TargetSessionAttrs::ReadWrite,
+            ),
+            (
+                "postgres://h/db?sslmode=disable&target_session_attrs=any",
+                TargetSessionAttrs::Any,
+            ),
+        ] {
+            assert_eq!(attrs(url).unwrap(), wanted, "{url}");
+        }
+        for refused in ["read-only", "standby", "prefer-standby", "nonsense"] {
+            let error =
+                attrs(&format!("postgres://h/db?target_session_attrs={refused}")).unwrap_err();
+            assert!(
+                error.starts_with(&format!(
+                    "target_session_attrs `{refused}`: the proxy writes every claim"
+                )),
+                "{error}"
+            );
+        }
+    }
 
     #[test]
     fn libpq_parameters_are_taken_out_of_the_url() {

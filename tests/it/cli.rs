@@ -634,6 +634,35 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
     assert_eq!(out.code, 0, "{}", out.stderr);
 }
 
+/// A server that takes no writes (a hot standby; here one read-only by a
+/// session default) would take the connection and refuse every claim: it is
+/// passed over as it is connected to, unless the URL asks for any server.
+#[tokio::test]
+async fn a_server_that_takes_no_writes_is_refused_unless_the_url_says_any() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let read_only = format!(
+        "{}?options=-c%20default_transaction_read_only%3Don",
+        store.url
+    );
+    let config = |url: &str| format!("store: {{ url: '{url}' }}\n");
+    let out = run(
+        &["check-config", "--connect"],
+        Some(&config(&read_only)),
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains(
+            "database does not allow writes (a standby, or a server read-only by default"
+        ),
+        "{}",
+        out.stderr
+    );
+    let any = format!("{read_only}&target_session_attrs=any");
+    let out = run(&["check-config", "--connect"], Some(&config(&any)), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}
+
 #[test]
 fn migrate_against_an_unreachable_store_exits_1() {
     let out = run(
