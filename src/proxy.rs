@@ -460,7 +460,14 @@ impl Proxy {
             Ok(claim) => return ControlFlow::Continue(claim),
             Err(error) => error,
         };
-        tracing::warn!(route = &*route.name, %error, "claim failed: store unavailable");
+        if error.outcome_unknown() {
+            tracing::warn!(
+                route = &*route.name, key = %request.key, %error,
+                "claim failed: store unavailable; had the claim reached the database before the connection failed, the key stays processing until its lease expires (dedupe-proxy keys release frees it)"
+            );
+        } else {
+            tracing::warn!(route = &*route.name, key = %request.key, %error, "claim failed: store unavailable");
+        }
         ControlFlow::Break(match self.settings.on_unavailable {
             OnUnavailable::Reject => Decision::Answer(Answer::Unavailable(
                 Unavailable::Store,

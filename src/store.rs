@@ -156,6 +156,16 @@ pub enum StoreError {
     NotClaimsTable { table: String, problem: String },
 }
 
+impl StoreError {
+    /// Whether a statement that failed this way may still have been
+    /// committed: the connection to PostgreSQL failed, perhaps after the
+    /// statement reached it, and its answer was lost with it. SQLite's
+    /// statements run in this process, and commit or not before they answer.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(self, StoreError::Postgres(_))
+    }
+}
+
 /// Every column of the claims table, in both stores.
 pub(crate) const COLUMNS: &str = "source, event_id, status, attempts, payload_sha256, \
      response_status, received_at, claimed_at, lease_expires_at, completed_at";
@@ -325,8 +335,16 @@ impl Store {
     }
 
     async fn release_if_won(self, pending: PendingClaim, source: Arc<str>, key: String) {
-        let Ok(Ok(Claim::Won { attempt, .. })) = pending.await else {
-            return;
+        let attempt = match pending.await {
+            Ok(Ok(Claim::Won { attempt, .. })) => attempt,
+            Ok(Err(error)) if error.outcome_unknown() => {
+                tracing::warn!(
+                    route = %source, %key, %error,
+                    "a claim answered as timed out then lost its connection; had it been committed, the key stays processing until its lease expires (dedupe-proxy keys release frees it)"
+                );
+                return;
+            }
+            _ => return,
         };
         match self
             .settle(&source, &key, attempt, Settlement::RELEASED)

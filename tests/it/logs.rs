@@ -203,6 +203,13 @@ async fn store_errors_are_logged_with_the_servers_message() {
         claim_failed.contains(r#"database \"dedupe_no_such_database\" does not exist"#),
         "{claim_failed}"
     );
+    // A failed connection may have lost a committed claim's answer: the line
+    // names the key and how to free it.
+    assert!(
+        claim_failed.contains(r#""key":"evt_nodb""#)
+            && claim_failed.contains("dedupe-proxy keys release frees it"),
+        "{claim_failed}"
+    );
 }
 
 /// `log_level` filters when `RUST_LOG` is unset; when set, `RUST_LOG` wins,
