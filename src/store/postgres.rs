@@ -371,6 +371,16 @@ impl Backend for PostgresStore {
             )
             .await
             .map_err(postgres_error)?;
+        // Past the wait for another replica's migration, a lock held on the
+        // table (a long `ALTER`, a `LOCK TABLE`) fails the migration within
+        // `store.timeout`, to be retried, instead of hanging it unseen.
+        transaction
+            .batch_execute(&format!(
+                "SET LOCAL lock_timeout = {}",
+                self.claim_timeout.as_millis().max(1)
+            ))
+            .await
+            .map_err(postgres_error)?;
         // `CREATE … IF NOT EXISTS` needs the right to create in the schema
         // even when there is nothing to create, and a role that may only
         // read and write rows (the table created by its owner) must still

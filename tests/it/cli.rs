@@ -663,6 +663,31 @@ async fn a_server_that_takes_no_writes_is_refused_unless_the_url_says_any() {
     assert_eq!(out.code, 0, "{}", out.stderr);
 }
 
+/// A lock held on the table does not hang `migrate`: with the schema in
+/// place it reads only the catalog, and what it must create waits at most
+/// `store.timeout`.
+#[tokio::test]
+async fn migrate_under_a_held_table_lock_finishes_or_fails_within_the_store_timeout() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let config = format!("store: {{ url: '{}', timeout: 300ms }}\n", store.url);
+    assert_eq!(run(&["migrate"], Some(&config), &[]).code, 0);
+    let holder = store.postgres().await;
+    let lock = "BEGIN; LOCK TABLE processed_events IN ACCESS EXCLUSIVE MODE";
+    holder.batch_execute(lock).await.unwrap();
+    let out = run(&["migrate"], Some(&config), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    holder
+        .batch_execute("ROLLBACK; DROP INDEX processed_events_received_at_idx")
+        .await
+        .unwrap();
+    holder.batch_execute(lock).await.unwrap();
+    let out = run(&["migrate"], Some(&config), &[]);
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(out.stderr.contains("lock timeout"), "{}", out.stderr);
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(run(&["migrate"], Some(&config), &[]).code, 0);
+}
+
 #[test]
 fn migrate_against_an_unreachable_store_exits_1() {
     let out = run(
