@@ -1,8 +1,8 @@
 //! The admin listener: `/metrics`, `/healthz` (the process serves) and
 //! `/readyz` (the schema is in place and the store answers).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
@@ -18,8 +18,8 @@ pub struct Admin {
     pub metrics: Metrics,
     /// The store, pinged by `/readyz`.
     pub store: Store,
-    /// Set once the migration has run (or immediately when it is disabled).
-    pub schema_ready: Arc<AtomicBool>,
+    /// The start-up migration's progress.
+    pub schema: Arc<Schema>,
     /// Set when shutdown begins: the webhook listener is closed, so a load
     /// balancer should stop sending here, while `/metrics` still shows the
     /// drain.
@@ -56,13 +56,17 @@ impl Admin {
             return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
         }
         let reached = self.store.ping().await;
-        if !self.schema_ready.load(Ordering::Acquire) {
+        if !self.schema.is_ready() {
             // The start-up migration has not finished: most often because the
-            // store cannot be reached, which is then the reason to give.
-            let reason = match reached {
-                Err(error) if !matches!(error, StoreError::MissingTable(_)) => {
+            // store cannot be reached, which is then the reason to give, or
+            // else because the migration itself failed (no right to create).
+            let reason = match (reached, self.schema.failure()) {
+                (Err(error), _) if !matches!(error, StoreError::MissingTable(_)) => {
                     format!("store unavailable: {error}\n")
                 }
+                (_, Some(failure)) => format!(
+                    "store schema not ready: the start-up migration failed, and is retried: {failure}\n"
+                ),
                 _ => "store schema not ready: the start-up migration has not finished\n".into(),
             };
             return text(StatusCode::SERVICE_UNAVAILABLE, reason);
@@ -74,6 +78,44 @@ impl Admin {
                 format!("store unavailable: {error}\n"),
             ),
         }
+    }
+}
+
+/// The start-up migration's progress, as `/readyz` tells it.
+pub struct Schema {
+    ready: AtomicBool,
+    failure: Mutex<Option<String>>,
+}
+
+impl Schema {
+    /// `ready` when there is no migration to wait for.
+    pub fn new(ready: bool) -> Self {
+        Self {
+            ready: AtomicBool::new(ready),
+            failure: Mutex::new(None),
+        }
+    }
+
+    /// Whether the migration has run (or there was none to run).
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// The migration has run.
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::Release);
+    }
+
+    /// The migration's last attempt failed this way.
+    pub fn set_failure(&self, error: String) {
+        *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 }
 

@@ -19,7 +19,7 @@ mod timer;
 
 use serving::{ServingThreads, Webhooks};
 
-use crate::admin::Admin;
+use crate::admin::{Admin, Schema};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -104,7 +104,7 @@ impl Application {
         let admin = Arc::new(Admin {
             metrics: metrics.clone(),
             store: store.clone(),
-            schema_ready: Arc::new(AtomicBool::new(!config.store.migrate)),
+            schema: Arc::new(Schema::new(!config.store.migrate)),
             shutting_down: AtomicBool::new(false),
         });
         let pruner = Pruner::new(store.clone(), PrunePlan::new(config, None), metrics.clone());
@@ -161,7 +161,7 @@ impl Application {
         if self.migrate {
             tokio::spawn(migrate_until_done(
                 self.proxy.store().clone(),
-                Arc::clone(&self.admin.schema_ready),
+                Arc::clone(&self.admin.schema),
                 stop.clone(),
             ));
         }
@@ -331,17 +331,18 @@ fn io(stream: TcpStream) -> TokioIo<TcpStream> {
     TokioIo::new(stream)
 }
 
-async fn migrate_until_done(store: Store, ready: Arc<AtomicBool>, stop: CancellationToken) {
+async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: CancellationToken) {
     let mut delay = Duration::from_millis(200);
     loop {
         match store.migrate().await {
             Ok(()) => {
-                ready.store(true, Ordering::Release);
+                schema.set_ready();
                 tracing::info!("store schema is ready");
                 return;
             }
             Err(error) => {
-                tracing::warn!(%error, retry_in = ?delay, "store migration failed; retrying")
+                tracing::warn!(%error, retry_in = ?delay, "store migration failed; retrying");
+                schema.set_failure(error.to_string());
             }
         }
         tokio::select! {

@@ -557,7 +557,8 @@ async fn a_table_named_by_a_reserved_word_works(backend: Backend) {
 /// becomes ready with the default `store.migrate: true`, and `migrate` as
 /// that role succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_role_that_may_only_use_rows_starts_on_a_migrated_table() {
+async fn a_role_that_may_only_use_rows_starts_on_a_migrated_table_and_is_told_why_not_without_one()
+{
     use crate::support::{TestApp, Upstream};
 
     let test_store = Arc::new(TestStore::new(Backend::Postgres).await);
@@ -617,6 +618,37 @@ async fn a_role_that_may_only_use_rows_starts_on_a_migrated_table() {
     assert_eq!(again.outcome(), "duplicate");
     app.shutdown().await;
     drop(store);
+
+    // Without the table, the start-up migration fails for want of the right
+    // to create it, and /readyz gives that reason, not only that the
+    // migration has not finished.
+    owner
+        .batch_execute("DROP TABLE processed_events")
+        .await
+        .expect("drop the table as its owner");
+    let mut app = TestApp::start(Arc::clone(&test_store), Upstream::start().await, |config| {
+        config.store.url = rows_only_url.clone();
+    })
+    .await;
+    let failed = async {
+        loop {
+            let not_ready = app.admin_get("/readyz").await;
+            assert_eq!(not_ready.status, 503, "{}", not_ready.body);
+            if not_ready.body.contains("failed") {
+                return not_ready.body;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let body = tokio::time::timeout(Duration::from_secs(20), failed)
+        .await
+        .expect("the migration's failure was reported");
+    assert!(
+        body.starts_with("store schema not ready: the start-up migration failed, and is retried: ")
+            && body.contains("permission denied for schema public"),
+        "{body}"
+    );
+    app.shutdown().await;
 
     // Still a role that may not create: the check above proved something.
     let refused = owner
