@@ -185,6 +185,38 @@ async fn a_webhook_cut_off_at_the_grace_deadline_is_logged_with_its_key() {
     );
 }
 
+/// A connection the server ends is logged with the server's reason, not
+/// only tokio-postgres's "db error".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_server_ends_is_logged_with_its_reason() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let upstream = Upstream::start().await;
+    let mut proxy = ProxyProcess::start(&config(&upstream, &store.url, "")).await;
+    proxy.wait_ready().await;
+    assert_eq!(deliver(&proxy, "evt_before").await.outcome(), "forwarded");
+    store
+        .postgres()
+        .await
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .await
+        .unwrap();
+    proxy
+        .wait_for_log("terminating connection due to administrator command")
+        .await;
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    assert!(
+        lines.iter().any(
+            |line| line.contains("PostgreSQL connection ended with an error")
+                && line.contains("terminating connection due to administrator command")
+        ),
+        "{lines:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_errors_are_logged_with_the_servers_message() {
     let store = TestStore::new(Backend::Postgres).await;

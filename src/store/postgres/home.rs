@@ -82,6 +82,9 @@ async fn open_on(runtime: &Handle, config: Config, tls: PostgresTls) -> Option<O
 
 async fn drive(connection: impl Future<Output = Result<(), Error>>) {
     if let Err(error) = connection.await {
+        // tokio-postgres's own text is only "db error"; the server's
+        // reason (a terminated backend, an idle session timeout) is its source.
+        let error = crate::error_chain(&error);
         tracing::warn!(%error, "PostgreSQL connection ended with an error");
     }
 }
