@@ -37,7 +37,7 @@ impl Proxy {
                     route = &*claim.source,
                     key = claim.key.as_str(),
                     attempt,
-                    "claim no longer held by this attempt (released with `keys release`, or taken over after its lease expired); outcome not recorded"
+                    "claim no longer held by this attempt (released with `keys release`, taken over after its lease expired, or deleted: `keys forget --force`, or the table emptied); outcome not recorded"
                 );
                 true
             }
