@@ -68,22 +68,24 @@ app.kubernetes.io/part-of: {{ include "dedupe-proxy.name" . }}
 {{- end -}}
 
 {{/*
-What the readiness probe asks: readinessPath when set; otherwise /readyz
-(the store answers) for a gateway that rejects webhooks while the store is
-down, so a rollout with a store it cannot reach stalls instead of replacing
-working pods, and /healthz (the process serves) for a sidecar, whose pod
-must not leave the application's Service over the store, or for
-on_unavailable: forward, which keeps webhooks flowing through an outage.
+What the readiness probe asks: readinessPath when set, otherwise /healthz
+(the process serves). A store outage is every replica's at once, and
+readiness that followed it would take every pod out of the Service together.
 */}}
 {{- define "dedupe-proxy.readinessPath" -}}
-{{- $onUnavailable := (.Values.config.store | default dict).on_unavailable | default "reject" -}}
-{{- if .Values.readinessPath -}}
-{{- .Values.readinessPath -}}
-{{- else if or (eq .Values.mode "sidecar") (eq $onUnavailable "forward") -}}
-/healthz
-{{- else -}}
-/readyz
+{{- .Values.readinessPath | default "/healthz" -}}
 {{- end -}}
+
+{{/*
+"true" when the proxy starts serving only once /readyz has answered: a
+gateway that rejects webhooks while the store is down, so a rollout with a
+store it cannot reach stalls instead of replacing working pods. Not a
+sidecar, whose pod must not leave the application's Service over the store,
+nor on_unavailable: forward, which keeps webhooks flowing through an outage.
+*/}}
+{{- define "dedupe-proxy.startupGate" -}}
+{{- $onUnavailable := (.Values.config.store | default dict).on_unavailable | default "reject" -}}
+{{- if and (eq .Values.mode "gateway") (eq $onUnavailable "reject") -}}true{{- end -}}
 {{- end -}}
 
 {{/*
@@ -136,8 +138,8 @@ the units ms, s, m and h, e.g. 25s or 1m30s.
 {{- if and (include "dedupe-proxy.sqlite" .) (gt (int .Values.replicaCount) 1) -}}
 {{- fail "replicaCount > 1 needs the PostgreSQL store (storeUrlSecret): each pod's SQLite file would only see its own deliveries" -}}
 {{- end -}}
-{{- if and .Values.persistence.enabled (not (include "dedupe-proxy.sqlite" .)) -}}
-{{- fail "persistence is for the SQLite store; with storeUrlSecret set, disable it" -}}
+{{- if and (include "dedupe-proxy.sqlite" .) (not .Values.persistence.enabled) -}}
+{{- fail "the SQLite store needs persistence.enabled: on an emptyDir its keys are lost with the pod, and events processed before a restart or a rollout are forwarded again; or use PostgreSQL (storeUrlSecret)" -}}
 {{- end -}}
 {{- if eq .Values.mode "sidecar" -}}
 {{- if not .Values.sidecar.containers -}}
@@ -159,6 +161,11 @@ the units ms, s, m and h, e.g. 25s or 1m30s.
 {{- with .Values.podDisruptionBudget -}}
 {{- if and .enabled (kindIs "invalid" .minAvailable) (kindIs "invalid" .maxUnavailable) -}}
 {{- fail "podDisruptionBudget: set maxUnavailable or minAvailable" -}}
+{{- end -}}
+{{- if and .enabled (not (kindIs "invalid" .minAvailable)) (not (kindIs "string" .minAvailable)) -}}
+{{- if ge (int .minAvailable) (int $.Values.replicaCount) -}}
+{{- fail "podDisruptionBudget.minAvailable must be below replicaCount, or no pod could ever be evicted and node drains would block" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
