@@ -104,9 +104,7 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
 
 async fn migrate(config: &Config) -> anyhow::Result<()> {
     let store = Store::open(&config.store)?;
-    let missing = matches!(store.ping().await, Err(StoreError::MissingTable(_)));
-    store.migrate().await?;
-    if missing {
+    if store.migrate().await? {
         eprintln!("store: created the claims table `{}`", config.store.table);
     } else {
         eprintln!("store: schema is up to date");

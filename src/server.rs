@@ -335,7 +335,7 @@ async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: Cancellatio
     let mut delay = Duration::from_millis(200);
     loop {
         match store.migrate().await {
-            Ok(()) => {
+            Ok(_) => {
                 schema.set_ready();
                 tracing::info!("store schema is ready");
                 return;

@@ -176,8 +176,9 @@ pub type PendingClaim = oneshot::Receiver<Result<Claim, StoreError>>;
 /// The operations a backend provides. Every call is one short transaction;
 /// none is held across the upstream call.
 pub trait Backend: Send + Sync + 'static {
-    /// Creates or upgrades the schema.
-    fn migrate(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Creates or upgrades the schema; says whether it created the table
+    /// (under concurrent migrations, only the one that did says so).
+    fn migrate(&self) -> impl Future<Output = Result<bool, StoreError>> + Send;
     /// Answers when the store is reachable and the claims table exists
     /// ([`StoreError::MissingTable`] when only the table is missing).
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -299,7 +300,7 @@ impl Store {
 
     /// See [`Backend::migrate`]; not bounded by `store.timeout`, since a
     /// migration may wait for another replica's.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
+    pub async fn migrate(&self) -> Result<bool, StoreError> {
         match &*self.backend {
             AnyBackend::Postgres(backend) => backend.migrate().await,
             AnyBackend::Sqlite(backend) => backend.migrate().await,

@@ -360,7 +360,7 @@ fn values<'a>(params: &'a Params<'a>) -> Vec<&'a (dyn ToSql + Sync)> {
 }
 
 impl Backend for PostgresStore {
-    async fn migrate(&self) -> Result<(), StoreError> {
+    async fn migrate(&self) -> Result<bool, StoreError> {
         let mut client = self.client().await?;
         let transaction = client.transaction().await.map_err(postgres_error)?;
         // Transaction-scoped, so the lock cannot leak through a pooler.
@@ -385,19 +385,20 @@ impl Backend for PostgresStore {
         // even when there is nothing to create, and a role that may only
         // read and write rows (the table created by its owner) must still
         // be able to start with `store.migrate: true`.
-        let in_place: bool = transaction
+        let rows = transaction
             .query_typed(
-                "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL",
+                "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
                 &[
                     (&self.sql.table_regclass, Type::TEXT),
                     (&self.sql.index_regclass, Type::TEXT),
                 ],
             )
             .await
-            .map_err(postgres_error)?
+            .map_err(postgres_error)?;
+        let (table_existed, index_existed) = rows
             .first()
-            .is_some_and(|row| row.get(0));
-        if !in_place {
+            .map_or((false, false), |row| (row.get(0), row.get(1)));
+        if !(table_existed && index_existed) {
             transaction
                 .batch_execute(&self.sql.migrate)
                 .await
@@ -407,7 +408,8 @@ impl Backend for PostgresStore {
             .query_typed(&self.sql.probe, &self.shape_parameters())
             .await;
         self.check_shape(shape)?;
-        transaction.commit().await.map_err(postgres_error)
+        transaction.commit().await.map_err(postgres_error)?;
+        Ok(!table_existed)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

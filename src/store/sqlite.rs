@@ -429,11 +429,23 @@ fn now_ms() -> i64 {
 }
 
 impl Backend for SqliteStore {
-    async fn migrate(&self) -> Result<(), StoreError> {
+    async fn migrate(&self) -> Result<bool, StoreError> {
         let (sql, probe) = (self.sql.migrate.clone(), self.sql.probe.clone());
+        let table = self.table.clone();
         self.call(move |connection| {
-            connection.execute_batch(&sql)?;
-            connection.prepare(&probe).map(drop)
+            // Under the write lock, so that of several processes migrating
+            // one new file, one finds no table and creates it.
+            let transaction =
+                connection.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let existed: bool = transaction.query_row(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND lower(name) = lower(?1))",
+                [&table],
+                |row| row.get(0),
+            )?;
+            transaction.execute_batch(&sql)?;
+            transaction.prepare(&probe).map(drop)?;
+            transaction.commit()?;
+            Ok(!existed)
         })
         .await
         .map_err(|error| self.shape_error(error))

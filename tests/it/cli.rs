@@ -485,6 +485,48 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
     }
 }
 
+/// Of several `migrate` runs at once on a new store, one creates the table
+/// and says so; the others find it made.
+#[tokio::test]
+async fn of_concurrent_migrations_only_the_one_that_created_the_table_says_so() {
+    for backend in [Backend::Postgres, Backend::Sqlite] {
+        let store = TestStore::new(backend).await;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, format!("store: {{ url: '{}' }}\n", store.url)).unwrap();
+        let runs: Vec<_> = (0..4)
+            .map(|_| {
+                std::process::Command::new(BINARY)
+                    .args(["migrate", "--config"])
+                    .arg(&path)
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let said: Vec<String> = runs
+            .into_iter()
+            .map(|run| {
+                let out = run.wait_with_output().unwrap();
+                assert!(out.status.success(), "{backend:?}: {out:?}");
+                String::from_utf8_lossy(&out.stderr).into_owned()
+            })
+            .collect();
+        let created = said
+            .iter()
+            .filter(|stderr| stderr.contains("created the claims table"))
+            .count();
+        assert_eq!(created, 1, "{backend:?}: {said:?}");
+        assert_eq!(
+            said.iter()
+                .filter(|stderr| stderr.contains("schema is up to date"))
+                .count(),
+            3,
+            "{backend:?}: {said:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn migrate_creates_the_schema() {
     let store = TestStore::new(Backend::Postgres).await;
