@@ -113,12 +113,99 @@ impl Body for StreamedBody {
     }
 }
 
+/// An upstream's response body, passed on as it arrives. The upstream must
+/// keep it coming: a wait of `upstream.timeout` for its next piece ends it
+/// with an error, so that an application that sends its headers and then
+/// stalls cannot hold the sender, and an upstream connection, for good.
+#[derive(Debug)]
+pub struct ResponseBody {
+    body: Incoming,
+    timeout: Duration,
+    // Made on the first wait only: a body that arrives with its head (nearly
+    // every one) costs no timer.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    // A piece arrived since the timer was last set: the next wait starts a
+    // new one.
+    rearm: bool,
+}
+
+/// Why an upstream's response body ended before it was whole.
+#[derive(Debug, thiserror::Error)]
+pub enum ResponseBodyError {
+    /// The connection failed, or the body was badly framed.
+    #[error("the upstream's response body failed: {0}")]
+    Upstream(#[from] hyper::Error),
+    /// Nothing more came for `upstream.timeout`.
+    #[error("the upstream's response body stalled for {0:?}")]
+    Stalled(Duration),
+}
+
+impl ResponseBody {
+    fn new(body: Incoming, timeout: Duration) -> Self {
+        Self {
+            body,
+            timeout,
+            timer: None,
+            rearm: false,
+        }
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = ResponseBodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ResponseBodyError>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
+            this.rearm = true;
+            let frame = frame.map(|frame| frame.map_err(ResponseBodyError::from));
+            if let Some(Err(error)) = &frame {
+                tracing::warn!(%error, "the upstream's response was cut off on its way to the sender");
+            }
+            return Poll::Ready(frame);
+        }
+        let timeout = this.timeout;
+        let timer = match &mut this.timer {
+            Some(timer) => {
+                if std::mem::take(&mut this.rearm) {
+                    timer.as_mut().reset(tokio::time::Instant::now() + timeout);
+                }
+                timer
+            }
+            None => this.timer.insert(Box::pin(tokio::time::sleep(timeout))),
+        };
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                let error = ResponseBodyError::Stalled(timeout);
+                tracing::warn!(%error, "the upstream's response was cut off on its way to the sender");
+                Poll::Ready(Some(Err(error)))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// How long a kept-alive upstream connection may sit unused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The upstream's connections and where requests go.
 pub struct Upstream {
     pool: Pool,
+    /// `upstream.timeout`, also the longest wait for a response body's next
+    /// piece.
+    timeout: Duration,
     /// `Host` for a request that came without one (HTTP/1.0).
     default_host: HeaderValue,
     base_path: String,
@@ -185,6 +272,7 @@ impl Upstream {
         let authority = url.authority().expect("validated: url has a host");
         Ok(Self {
             pool: Pool::new(config, &url, lanes, IDLE_TIMEOUT)?,
+            timeout: config.timeout,
             default_host: HeaderValue::from_str(authority.as_str())
                 .expect("an authority is a valid header value"),
             base_path: url.path().trim_end_matches('/').to_owned(),
@@ -199,7 +287,7 @@ impl Upstream {
         body: RequestBody,
         peer: Peer,
         dedupe: Option<DedupeHeaders>,
-    ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + '_ {
+    ) -> impl Future<Output = Result<Response<ResponseBody>, UpstreamError>> + '_ {
         // The request is prepared before the future is made, so the future
         // holds only the finished request: it is boxed or moved on every
         // request, and a smaller one is cheaper to allocate and copy.
@@ -212,7 +300,7 @@ impl Upstream {
     async fn exchange(
         &self,
         request: Request<RequestBody>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    ) -> Result<Response<ResponseBody>, UpstreamError> {
         let mut response = self.pool.send(request).await?;
         // Only an answer to `Upgrade`, which is never forwarded: passed on,
         // it would leave the sender waiting on a protocol nobody speaks.
@@ -221,8 +309,11 @@ impl Upstream {
                 "the upstream switched protocols (101), which the proxy does not tunnel".into(),
             ));
         }
+        let status = response.status();
+        reframe(status, response.headers_mut())?;
         strip_hop_by_hop(response.headers_mut());
-        Ok(response)
+        let timeout = self.timeout;
+        Ok(response.map(|body| ResponseBody::new(body, timeout)))
     }
 
     /// The origin-form target on the upstream: its base path, then the
@@ -284,6 +375,48 @@ fn prepare_request_headers(
             headers.insert(X_DEDUPE_ATTEMPT, attempt.into());
         }
     }
+}
+
+/// Fits a response's framing fields to how it is passed on: hyper has read
+/// the body by its framing and frames it anew for the sender, so a
+/// `Content-Length` beside `Transfer-Encoding` (which wins, RFC 9112 section
+/// 6.3) would announce a length the body does not have, a repeated one is
+/// written once, and a 204's is dropped (it has no body). A transfer coding
+/// other than chunked cannot be undone here, and is a failed upstream.
+fn reframe(status: http::StatusCode, headers: &mut HeaderMap) -> Result<(), UpstreamError> {
+    if let Some(coding) = headers.get(header::TRANSFER_ENCODING) {
+        if headers.get_all(header::TRANSFER_ENCODING).iter().count() > 1
+            || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
+        {
+            return Err(UpstreamError::Failed(format!(
+                "the upstream's response has the transfer coding {coding:?}, which the proxy cannot pass on"
+            )));
+        }
+        headers.remove(header::CONTENT_LENGTH);
+        return Ok(());
+    }
+    if status == http::StatusCode::NO_CONTENT {
+        headers.remove(header::CONTENT_LENGTH);
+        return Ok(());
+    }
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    let single = match (lengths.next(), lengths.next()) {
+        (Some(only), None) if !only.as_bytes().contains(&b',') => return Ok(()),
+        (Some(first), _) => first.clone(),
+        (None, _) => return Ok(()),
+    };
+    // hyper took the response only if every value is the same length.
+    let length = single
+        .to_str()
+        .ok()
+        .and_then(|list| list.split(',').next())
+        .map(str::trim)
+        .and_then(|length| HeaderValue::from_str(length).ok())
+        .ok_or_else(|| {
+            UpstreamError::Failed("the upstream's Content-Length is unreadable".into())
+        })?;
+    headers.insert(header::CONTENT_LENGTH, length);
+    Ok(())
 }
 
 /// `X-Forwarded-For`: the hops the request came through, in order, whether
@@ -404,6 +537,51 @@ mod tests {
 
     fn default_host() -> HeaderValue {
         HeaderValue::from_static("app:3000")
+    }
+
+    #[test]
+    fn a_response_is_reframed_for_the_way_it_is_passed_on() {
+        let reframed = |status: u16, fields: &[(&str, &str)]| {
+            let mut headers = HeaderMap::new();
+            for (name, value) in fields {
+                headers.append(
+                    HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    HeaderValue::from_str(value).unwrap(),
+                );
+            }
+            let status = http::StatusCode::from_u16(status).unwrap();
+            reframe(status, &mut headers).map(|()| {
+                headers
+                    .get_all(header::CONTENT_LENGTH)
+                    .iter()
+                    .map(|value| value.to_str().unwrap().to_owned())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let chunked = [("content-length", "3"), ("transfer-encoding", "chunked")];
+        assert_eq!(reframed(200, &chunked).unwrap(), Vec::<String>::new());
+        assert_eq!(reframed(200, &[("content-length", "5, 5")]).unwrap(), ["5"]);
+        assert_eq!(
+            reframed(200, &[("content-length", "5"), ("content-length", "5")]).unwrap(),
+            ["5"]
+        );
+        assert_eq!(reframed(200, &[("content-length", "5")]).unwrap(), ["5"]);
+        assert_eq!(
+            reframed(204, &[("content-length", "5")]).unwrap(),
+            Vec::<String>::new()
+        );
+        // A 304's length is the representation's, as a HEAD's is.
+        assert_eq!(reframed(304, &[("content-length", "5")]).unwrap(), ["5"]);
+        for codings in [&["gzip, chunked"][..], &["gzip"], &["chunked", "chunked"]] {
+            let fields: Vec<(&str, &str)> = codings
+                .iter()
+                .map(|coding| ("transfer-encoding", *coding))
+                .collect();
+            assert!(
+                matches!(reframed(200, &fields), Err(UpstreamError::Failed(_))),
+                "{codings:?}"
+            );
+        }
     }
 
     #[test]

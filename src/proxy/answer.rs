@@ -3,16 +3,14 @@
 
 use std::time::Duration;
 
+use crate::upstream::{ResponseBody, ResponseBodyError, SenderBodyError, UpstreamError};
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-
-use crate::upstream::{SenderBodyError, UpstreamError};
 
 /// The response body type of the webhook listener.
-pub type Body = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+pub type Body = http_body_util::combinators::BoxBody<Bytes, ResponseBodyError>;
 
 /// The header naming how the proxy handled a request.
 pub const OUTCOME_HEADER: &str = "x-dedupe-outcome";
@@ -23,10 +21,10 @@ const OUTCOME_HEADER_NAME: HeaderName = HeaderName::from_static(OUTCOME_HEADER);
 #[derive(Debug)]
 pub enum Answer {
     /// A won claim, forwarded; the upstream's response.
-    Forwarded(Response<Incoming>),
+    Forwarded(Response<ResponseBody>),
     /// Forwarded without deduplication (unmatched route, shadow mode, no
     /// key with `forward`, store down with `forward`).
-    Passthrough(Response<Incoming>, PassReason),
+    Passthrough(Response<ResponseBody>, PassReason),
     /// The key is `done`.
     Duplicate(StatusCode),
     /// Another delivery holds the key.

@@ -3,12 +3,11 @@
 use std::time::{Duration, Instant};
 
 use http::Response;
-use hyper::body::Incoming;
 
 use super::{Answer, Proxy, Trace};
 use crate::route::Route;
 use crate::store::{Claim, WonFrom};
-use crate::upstream::UpstreamError;
+use crate::upstream::{ResponseBody, UpstreamError};
 
 impl Proxy {
     pub(super) fn count_claim(&self, route: &Route, key: &str, claim: &Claim) {
@@ -38,7 +37,7 @@ impl Proxy {
     pub(super) fn count_upstream(
         &self,
         route: &Route,
-        result: &Result<Response<Incoming>, UpstreamError>,
+        result: &Result<Response<ResponseBody>, UpstreamError>,
         took: Duration,
     ) {
         let class = class_of(result);
@@ -72,7 +71,7 @@ fn claim_result(claim: &Claim) -> &'static str {
 }
 
 /// The `class` label of `dedupe_upstream_responses_total` for one call.
-pub(super) fn class_of(result: &Result<Response<Incoming>, UpstreamError>) -> &'static str {
+pub(super) fn class_of(result: &Result<Response<ResponseBody>, UpstreamError>) -> &'static str {
     upstream_class(result.as_ref().map(|response| response.status().as_u16()))
 }
 

@@ -317,29 +317,10 @@ async fn slow_senders_are_cut_off() {
 /// webhook's key is `failed`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_switches_protocols_is_a_failed_upstream() {
-    let switching = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_addr = switching.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut stream, _)) = switching.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buffer = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buffer).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buffer[..n]),
-                    }
-                }
-                let _ = stream
-                    .write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n")
-                    .await;
-                let _ = stream.read(&mut buffer).await;
-            });
-        }
-    });
+    let upstream_addr = raw_upstream(
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+    )
+    .await;
     let app = TestApp::spawn(Backend::Sqlite, |config| {
         config.upstream.url = format!("http://{upstream_addr}");
     })
@@ -361,4 +342,89 @@ async fn an_upstream_that_switches_protocols_is_a_failed_upstream() {
     // Settled `failed`: the retry goes to the upstream again.
     let retry = app.deliver("evt_switch", "{}").await;
     assert_eq!((retry.status, retry.outcome()), (502, "upstream-error"));
+}
+
+/// An upstream that answers each request head it reads with `answer`, byte
+/// for byte, whatever the request's body, and otherwise keeps the
+/// connection open without a word.
+async fn raw_upstream(answer: &'static [u8]) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buffer = [0u8; 4096];
+                loop {
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buffer).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buffer[..n]),
+                        }
+                    }
+                    head.clear();
+                    if stream.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A response with both `Content-Length` and `Transfer-Encoding: chunked`
+/// is read by its chunks (RFC 9112 section 6.3), and passed on without the
+/// length, which would have cut it short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_framed_twice_is_passed_on_by_its_chunks() {
+    let upstream_addr = raw_upstream(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("http://{upstream_addr}");
+    })
+    .await;
+    let webhook = app.deliver("evt_framed", "{}").await;
+    assert_eq!((webhook.status, webhook.outcome()), (200, "forwarded"));
+    assert_eq!(webhook.body, "hello");
+    assert!(!webhook.headers.contains_key("content-length"));
+    let unmatched = app.post("/elsewhere", &[], "{}").await;
+    assert_eq!(unmatched.body, "hello");
+}
+
+/// An upstream that sends its headers and then stalls has its response cut
+/// off once `upstream.timeout` passes without a byte, instead of holding the
+/// sender's connection, and an upstream connection, for good. The key was
+/// settled by the status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_body_that_stalls_is_cut_off_after_the_upstream_timeout() {
+    let upstream_addr = raw_upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf").await;
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("http://{upstream_addr}");
+        config.upstream.timeout = Duration::from_millis(300);
+    })
+    .await;
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /hooks/orders HTTP/1.1\r\nHost: proxy\r\nX-Event-Id: evt_stall\r\nContent-Length: 2\r\n\r\n{}",
+        )
+        .await
+        .unwrap();
+    let mut received = Vec::new();
+    // A guard against a hang, not a measure: the cut comes after 300 ms.
+    tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut received))
+        .await
+        .expect("the response was cut off")
+        .ok();
+    let received = String::from_utf8_lossy(&received);
+    assert!(received.starts_with("HTTP/1.1 200 OK\r\n"), "{received}");
+    assert!(received.ends_with("\r\n\r\nhalf"), "{received}");
+    let again = app.deliver("evt_stall", "{}").await;
+    assert_eq!(again.outcome(), "duplicate");
 }
