@@ -431,13 +431,17 @@ impl StatusMatch {
     fn parse(text: &str) -> Result<Self, String> {
         let text = text.trim();
         let class = text.strip_suffix("xx").or_else(|| text.strip_suffix("XX"));
+        // An informational (1xx) status is never the answer a claim is
+        // settled by, so an entry for one could never match.
         match class.map(str::parse::<u8>) {
-            Some(Ok(digit @ 1..=5)) => Ok(StatusMatch::Class(digit)),
-            Some(_) => Err(format!("`{text}` is not a status class (1xx to 5xx)")),
+            Some(Ok(digit @ 2..=5)) => Ok(StatusMatch::Class(digit)),
+            Some(_) => Err(format!(
+                "`{text}` is not a class of final statuses (2xx to 5xx)"
+            )),
             None => match text.parse::<u16>() {
-                Ok(code @ 100..=599) => Ok(StatusMatch::Exact(code)),
+                Ok(code @ 200..=599) => Ok(StatusMatch::Exact(code)),
                 _ => Err(format!(
-                    "`{text}` is neither a status class like 2xx nor a status code 100-599"
+                    "`{text}` is neither a status class like 2xx nor a final status code 200-599"
                 )),
             },
         }
@@ -901,6 +905,14 @@ mod tests {
             parse("defaults: { done_on: [99] }"),
             Err(Problem::Parse(_))
         ));
+        // No claim is settled by an informational status.
+        for informational in ["1xx", "100", "103"] {
+            let refused = parse(&format!("defaults: {{ done_on: [\"{informational}\"] }}"));
+            assert!(
+                matches!(&refused, Err(Problem::Parse(said)) if said.contains("final status")),
+                "{informational}: {refused:?}"
+            );
+        }
     }
 
     #[test]
