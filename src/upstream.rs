@@ -121,12 +121,14 @@ impl Body for StreamedBody {
 pub struct ResponseBody {
     body: Incoming,
     timeout: Duration,
-    // Made on the first wait only: a body that arrives with its head (nearly
-    // every one) costs no timer.
+    // Made on the second wait in a row only: a body that arrives with its
+    // head, or right behind it (nearly every one), costs no timer.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     // A piece arrived since the timer was last set: the next wait starts a
     // new one.
     rearm: bool,
+    // The body has been waited for once and the task woken to look again.
+    looked_again: bool,
 }
 
 /// Why an upstream's response body ended before it was whole.
@@ -147,6 +149,7 @@ impl ResponseBody {
             timeout,
             timer: None,
             rearm: false,
+            looked_again: false,
         }
     }
 }
@@ -167,6 +170,14 @@ impl Body for ResponseBody {
                 tracing::warn!(%error, "the upstream's response was cut off on its way to the sender");
             }
             return Poll::Ready(frame);
+        }
+        // The piece is most often on its way already, with the connection's
+        // task that has yet to run on this thread: rather than make a timer
+        // (a lock on the runtime's timer wheel, and again to cancel it), the
+        // task is woken to look once more, behind that one.
+        if this.timer.is_none() && !std::mem::replace(&mut this.looked_again, true) {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
         }
         let timeout = this.timeout;
         let timer = match &mut this.timer {
