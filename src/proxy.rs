@@ -460,14 +460,11 @@ impl Proxy {
             Ok(claim) => return ControlFlow::Continue(claim),
             Err(error) => error,
         };
-        if error.outcome_unknown() {
-            tracing::warn!(
-                route = &*route.name, key = %request.key, %error,
-                "claim failed: store unavailable; had the claim reached the database before the connection failed, the key stays processing until its lease expires (dedupe-proxy keys release frees it)"
-            );
-        } else {
-            tracing::warn!(route = &*route.name, key = %request.key, %error, "claim failed: store unavailable");
-        }
+        // A failed connection may have lost a committed claim's answer.
+        let hint = error.outcome_unknown().then_some(
+            "had the claim reached the database before the connection failed, the key stays processing until its lease expires (dedupe-proxy keys release frees it)",
+        );
+        tracing::warn!(route = &*route.name, key = %request.key, %error, hint, "claim failed: store unavailable");
         ControlFlow::Break(match self.settings.on_unavailable {
             OnUnavailable::Reject => Decision::Answer(Answer::Unavailable(
                 Unavailable::Store,

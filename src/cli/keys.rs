@@ -110,7 +110,9 @@ fn explain(config: &Config, error: StoreError) -> anyhow::Error {
             "the table `{}` does not exist in {store}: create it with `dedupe-proxy migrate`",
             config.store.table
         ),
-        StoreError::Timeout(_) if config.store.url.starts_with("sqlite://") => {
+        StoreError::Timeout(_)
+            if matches!(StoreUrl::parse(&config.store.url), Ok(StoreUrl::Sqlite(_))) =>
+        {
             anyhow::Error::new(error).context(format!(
                 "store {store} (another process may be holding the file's write lock: an sqlite3 session with a transaction open, a VACUUM)"
             ))

@@ -38,8 +38,6 @@ pub struct PostgresStore {
     sql: Arc<Statements>,
     keys: keys::Statements,
     table: String,
-    /// The claims table's column names, for the shape check.
-    column_names: Vec<&'static str>,
     batches: OnceLock<Batches>,
     home: Home,
     /// `store.timeout`: how long a claim's caller waits for it.
@@ -106,7 +104,6 @@ impl PostgresStore {
             sql: Arc::new(Statements::new(&config.table, &instance)),
             keys: keys::Statements::new(&config.table),
             table: config.table.clone(),
-            column_names: sql::claims_column_names(),
             batches: OnceLock::new(),
             home,
             claim_timeout: config.timeout,
@@ -143,21 +140,25 @@ impl PostgresStore {
             .map_err(postgres_error)
     }
 
-    fn shape_parameters(&self) -> [(&(dyn ToSql + Sync), Type); 2] {
-        [
-            (&self.sql.table_regclass, Type::TEXT),
-            (&self.column_names, Type::TEXT_ARRAY),
-        ]
-    }
-
-    /// Refuses a table that is not the claims table, naming what differs:
-    /// a column's type the statements would fail to decode, or a missing
-    /// primary key that every claim's `ON CONFLICT` would trip on.
-    fn check_shape(
+    /// Reads the table's shape on `client` and refuses a table that is not
+    /// the claims table, naming what differs: a column's type the
+    /// statements would fail to decode, or a missing primary key that every
+    /// claim's `ON CONFLICT` would trip on.
+    async fn check_shape(
         &self,
-        shape: Result<Vec<Row>, tokio_postgres::Error>,
+        client: &impl tokio_postgres::GenericClient,
     ) -> Result<(), StoreError> {
-        let rows = shape.map_err(postgres_error)?;
+        let columns = sql::claims_column_names();
+        let rows = client
+            .query_typed(
+                &self.sql.probe,
+                &[
+                    (&self.sql.table_regclass, Type::TEXT),
+                    (&columns, Type::TEXT_ARRAY),
+                ],
+            )
+            .await
+            .map_err(postgres_error)?;
         let row = rows
             .first()
             .ok_or_else(|| StoreError::Postgres("the table's shape could not be read".into()))?;
@@ -404,20 +405,16 @@ impl Backend for PostgresStore {
                 .await
                 .map_err(|error| self.shape_error(error))?;
         }
-        let shape = transaction
-            .query_typed(&self.sql.probe, &self.shape_parameters())
-            .await;
-        self.check_shape(shape)?;
+        let inner: &tokio_postgres::Transaction<'_> = &transaction;
+        self.check_shape(inner).await?;
         transaction.commit().await.map_err(postgres_error)?;
         Ok(!table_existed)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         let client = self.client().await?;
-        let shape = client
-            .query_typed(&self.sql.probe, &self.shape_parameters())
-            .await;
-        self.check_shape(shape)
+        let client: &tokio_postgres::Client = &client;
+        self.check_shape(client).await
     }
 
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {
