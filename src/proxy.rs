@@ -179,26 +179,33 @@ impl Proxy {
         let started = Instant::now();
         let in_flight = InFlight::count(&self.metrics.in_flight);
         let route = self.routes.find(request.method(), request.uri().path());
-        let near_miss = match route {
-            None => self
-                .routes
-                .near_miss(request.method(), request.uri().path()),
-            Some(_) => None,
-        };
-        let route_name = route
-            .or(near_miss)
+        let near_miss = self
+            .routes
+            .near_miss(request.method(), request.uri().path(), route);
+        let route_name = near_miss
+            .or(route)
             .map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let malformed = malformation(&request);
         let answer = match Arc::clone(&self.concurrency).try_acquire_owned() {
             _ if let Some(problem) = malformed => {
                 Answer::Rejected(Rejection::BadRequest(problem.into()))
             }
-            _ if let Some(meant) = near_miss => Answer::Rejected(Rejection::BadRequest(format!(
-                "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters): refused rather than forwarded unverified; send the route's path exactly",
-                meant.name,
-                request.method().as_str().to_ascii_uppercase(),
-                meant.path()
-            ))),
+            _ if let Some(meant) = near_miss => Answer::Rejected(Rejection::BadRequest(
+                if route.is_some_and(|found| Arc::ptr_eq(found, meant)) {
+                    format!(
+                        "a path under route {}'s path_prefix ({}) whose dot segments lead out of it: refused rather than forwarded to another path with this route's checks",
+                        meant.name,
+                        meant.path()
+                    )
+                } else {
+                    format!(
+                        "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters): refused rather than forwarded unverified; send the route's path exactly",
+                        meant.name,
+                        request.method().as_str().to_ascii_uppercase(),
+                        meant.path()
+                    )
+                },
+            )),
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
             // Boxed: hyper keeps one slot per connection for this future from
             // the connection's first request to its close, so what it holds

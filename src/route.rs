@@ -262,13 +262,27 @@ impl Routes {
             .find(|route| route.path.matches(path) && route.methods.contains(method))
     }
 
-    /// The route a request that matched none was meant for, if it names the
-    /// route's path the way an application may read it (see
+    /// The route a request was meant for, when that is not the route it
+    /// matched: its path, read the way an application may read it (see
     /// [`canonical_form`]: `/Hooks/Orders/`, `/hooks/%6Frders`,
-    /// `//hooks/./orders`) with one of the route's methods in any letter
-    /// case. Forwarded as unmatched, such a request could reach the
-    /// application's webhook handler unverified and undeduplicated.
-    pub fn near_miss(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
+    /// `//hooks/./orders`), is another route's path or falls under another
+    /// route's prefix, with one of that route's methods in any letter case.
+    /// Forwarded as matched or unmatched, such a request could reach that
+    /// route's handler in the application without its signature checked or
+    /// its key claimed. `found` is the route the request matched, if any: an
+    /// exact match is the route's own path and is never a variant; a request
+    /// under a prefix whose dot segments lead out of that prefix, to no
+    /// route, is a variant of the prefix's route (it would reach a path
+    /// outside it with the prefix route's checks).
+    pub fn near_miss<'a>(
+        &'a self,
+        method: &Method,
+        path: &str,
+        found: Option<&'a Arc<Route>>,
+    ) -> Option<&'a Arc<Route>> {
+        if found.is_some_and(|route| !route.path.prefix) {
+            return None;
+        }
         let same_method = |route: &&Arc<Route>| {
             route
                 .methods
@@ -278,7 +292,18 @@ impl Routes {
         let mut candidates = self.routes.iter().filter(same_method).peekable();
         candidates.peek()?;
         let canonical = canonical_form(path);
-        candidates.find(|route| route.path.matches_canonical(&canonical))
+        let meant = candidates.find(|route| route.path.matches_canonical(&canonical));
+        match (found, meant) {
+            // Two routes whose paths differ only in what an application
+            // ignores cannot be told apart by it either.
+            (Some(found), Some(meant))
+                if Arc::ptr_eq(found, meant) || found.path.canonical == meant.path.canonical =>
+            {
+                None
+            }
+            (Some(found), None) => Some(found),
+            (_, meant) => meant,
+        }
     }
 
     /// Every route.
@@ -428,7 +453,7 @@ mod tests {
                 "{verb} {path} is a route's"
             );
             routes
-                .near_miss(&method(verb), path)
+                .near_miss(&method(verb), path, None)
                 .map(|r| r.name.to_string())
         };
         for path in [
@@ -466,6 +491,61 @@ mod tests {
         ] {
             assert_eq!(near_miss(verb, path), None, "{verb} {path}");
         }
+    }
+
+    #[test]
+    fn a_request_under_a_prefix_that_names_another_route_or_leaves_the_prefix_is_a_near_miss() {
+        let routes = routes(
+            "routes:
+               - { name: orders, path: /hooks/orders, key: { header: X-Id } }
+               - { name: github, path_prefix: /hooks/github/, key: { header: X-Id } }
+               - { name: hooks, path_prefix: /hooks, key: { header: X-Id } }",
+        );
+        let post = Method::POST;
+        let near_miss = |path: &str| {
+            let found = routes.find(&post, path);
+            assert_eq!(
+                found.map(|r| &*r.name),
+                Some("hooks"),
+                "{path} is under the hooks prefix"
+            );
+            routes
+                .near_miss(&post, path, found)
+                .map(|r| r.name.to_string())
+        };
+        for (path, meant) in [
+            ("/hooks/x/../orders", "orders"),
+            ("/hooks/%2e%2e/hooks/orders", "orders"),
+            ("/hooks/Orders", "orders"),
+            ("/hooks/orders/", "orders"),
+            ("/hooks/GitHub/push", "github"),
+            ("/hooks/x/../github/push", "github"),
+            ("/hooks/..", "hooks"),
+            ("/hooks/x/../../admin", "hooks"),
+        ] {
+            assert_eq!(near_miss(path).as_deref(), Some(meant), "{path}");
+        }
+        for path in [
+            "/hooks",
+            "/hooks/",
+            "/hooks/other",
+            "/hooks/Other/Case",
+            "/hooks/x/../other",
+            "/hooks/./other",
+            "/hooks/orders-2",
+        ] {
+            assert_eq!(near_miss(path), None, "{path}");
+        }
+        let exact = routes.find(&post, "/hooks/orders");
+        assert!(routes.near_miss(&post, "/hooks/orders", exact).is_none());
+        let github = routes.find(&post, "/hooks/github/x/../../orders");
+        assert_eq!(github.map(|r| &*r.name), Some("github"));
+        assert_eq!(
+            routes
+                .near_miss(&post, "/hooks/github/x/../../orders", github)
+                .map(|r| &*r.name),
+            Some("orders")
+        );
     }
 
     #[test]

@@ -163,6 +163,51 @@ async fn variants_of_a_route_are_refused_not_forwarded() {
     assert_eq!(other_method.outcome(), "passthrough");
 }
 
+/// A request under a route's `path_prefix` whose path an application may
+/// read as another route's (dot segments, letter case), or as a path outside
+/// the prefix, is refused: forwarded with the prefix route's checks, it would
+/// reach the other route's handler without that route's signature checked
+/// or its key claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_under_a_prefix_that_leads_to_another_route_is_refused() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        let catch_all: dedupe_proxy::config::RouteConfig = serde_yaml::from_str(
+            "{ name: misc, path_prefix: /hooks/misc/, key: { header: X-Event-Id } }",
+        )
+        .unwrap();
+        config.routes.push(catch_all);
+    })
+    .await;
+    let refused: [&[u8]; 4] = [
+        b"POST /hooks/misc/../orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: p1\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/misc/%2E%2E/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: p1\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/misc/x/../../json HTTP/1.1\r\nHost: x\r\nX-Event-Id: p1\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/misc/../../admin HTTP/1.1\r\nHost: x\r\nX-Event-Id: p1\r\nContent-Length: 2\r\n\r\n{}",
+    ];
+    assert_each_answered(&app, &refused, "HTTP/1.1 400").await;
+    let escaped = app
+        .post("/hooks/misc/../../admin", &[("x-event-id", "p1")], "{}")
+        .await;
+    assert_eq!((escaped.status, escaped.outcome()), (400, "rejected"));
+    assert!(escaped.body.contains("lead out of it"), "{}", escaped.body);
+    app.assert_metrics(&[
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="orders"} 2"#,
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="json"} 1"#,
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="misc"} 2"#,
+    ])
+    .await;
+    assert_healthy_and_untouched(&app).await;
+    // Paths that stay under the prefix are the prefix route's.
+    let inside = app
+        .post("/hooks/misc/a/../b", &[("x-event-id", "p2")], "{}")
+        .await;
+    assert_eq!((inside.status, inside.outcome()), (200, "forwarded"));
+    assert_eq!(
+        app.upstream.seen().last().unwrap().uri.path(),
+        "/hooks/misc/a/../b"
+    );
+}
+
 /// RFC 9112 section 3.2: an HTTP/1.1 request with no `Host`, or with more
 /// than one, is answered 400; HTTP/1.0 may leave it out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
