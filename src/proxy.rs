@@ -471,7 +471,7 @@ impl Proxy {
         let hint = error.outcome_unknown().then_some(
             "had the claim reached the database before the connection failed, the key stays processing until its lease expires (dedupe-proxy keys release frees it)",
         );
-        tracing::warn!(route = &*route.name, key = %request.key, %error, hint, "claim failed: store unavailable");
+        tracing::warn!(route = &*route.name, key = request.key.as_str(), %error, hint, "claim failed: store unavailable");
         ControlFlow::Break(match self.settings.on_unavailable {
             OnUnavailable::Reject => Decision::Answer(Answer::Unavailable(
                 Unavailable::Store,

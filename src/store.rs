@@ -340,7 +340,7 @@ impl Store {
             Ok(Ok(Claim::Won { attempt, .. })) => attempt,
             Ok(Err(error)) if error.outcome_unknown() => {
                 tracing::warn!(
-                    route = %source, %key, %error,
+                    route = %source, key = key.as_str(), %error,
                     "a claim answered as timed out then lost its connection; had it been committed, the key stays processing until its lease expires (dedupe-proxy keys release frees it)"
                 );
                 return;
@@ -352,11 +352,11 @@ impl Store {
             .await
         {
             Ok(_) => tracing::warn!(
-                route = %source, %key, attempt,
+                route = %source, key = key.as_str(), attempt,
                 "a claim answered as timed out won later; released it for the sender's retry"
             ),
             Err(error) => tracing::warn!(
-                route = %source, %key, attempt, %error,
+                route = %source, key = key.as_str(), attempt, %error,
                 "a claim answered as timed out won later and cannot be released; the key waits for its lease to expire"
             ),
         }

@@ -197,7 +197,7 @@ fn render_list(records: &[KeyRecord], json: bool) -> String {
         .map(|record| {
             vec![
                 record.source.clone(),
-                record.key.clone(),
+                visible(&record.key),
                 record.status.to_string(),
                 record.attempts.to_string(),
                 or_dash(record.response_status),
@@ -216,7 +216,7 @@ fn render_one(record: &KeyRecord, json: bool) -> String {
     }
     let fields = [
         ("source", record.source.clone()),
-        ("key", record.key.clone()),
+        ("key", visible(&record.key)),
         ("status", record.status.to_string()),
         ("attempts", record.attempts.to_string()),
         (
@@ -260,6 +260,24 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// A key as a table shows it: control characters written as escapes
+/// (`\t`, `\u{1b}`), so a key cannot break the table's lines or send a
+/// terminal its control sequences. `--json` gives the key exactly.
+fn visible(key: &str) -> String {
+    if !key.chars().any(char::is_control) {
+        return key.to_owned();
+    }
+    key.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 fn to_json(value: &impl Serialize) -> String {
@@ -322,6 +340,20 @@ mod tests {
             lines[1]
         );
         assert!(lines.iter().all(|line| !line.ends_with(' ')));
+    }
+
+    #[test]
+    fn tables_write_control_characters_in_keys_as_escapes_and_json_gives_them_exactly() {
+        let key = "evt\n1\t\u{1b}[2J é";
+        let list = render_list(&[record(key, KeyStatus::Done)], false);
+        assert_eq!(list.lines().count(), 2, "{list}");
+        assert!(list.contains(r"evt\n1\t\u{1b}[2J é"), "{list}");
+        assert!(!list.contains('\u{1b}'), "{list}");
+        let one = render_one(&record(key, KeyStatus::Done), false);
+        assert!(one.contains(r"evt\n1\t\u{1b}[2J é"), "{one}");
+        let value: serde_json::Value =
+            serde_json::from_str(&render_one(&record(key, KeyStatus::Done), true)).unwrap();
+        assert_eq!(value["key"], key);
     }
 
     #[test]

@@ -19,6 +19,7 @@ on_both_stores!(
     unreachable_upstream_answers_502_and_the_retry_goes_through,
     upstream_timeout_answers_504_and_settles_failed,
     json_keys_are_read_from_the_body,
+    keys_with_control_and_non_ascii_characters_are_kept_byte_for_byte,
     shadow_mode_forwards_everything_but_records_claims,
     a_shadowed_duplicate_whose_upstream_fails_is_still_counted_as_a_duplicate,
     payload_mismatch_is_counted_or_rejected,
@@ -221,6 +222,45 @@ async fn json_keys_are_read_from_the_body(backend: Backend) {
     // Keys are namespaced by route: the same id on another route is new.
     assert_eq!(app.deliver("evt_json", body).await.outcome(), "forwarded");
     assert_eq!(app.upstream.count(), 3);
+}
+
+/// SPEC section 8: keys are compared byte for byte and sent upstream with
+/// the bytes outside visible ASCII percent-encoded; control characters are
+/// text like any other (only NUL, which PostgreSQL's text cannot hold, is
+/// refused).
+async fn keys_with_control_and_non_ascii_characters_are_kept_byte_for_byte(backend: Backend) {
+    let app = TestApp::spawn(backend, |_| {}).await;
+    let body = r#"{"id":"evt\t\u00e4\n\u001b"}"#;
+    assert_eq!(
+        app.post("/hooks/json", &[], body).await.outcome(),
+        "forwarded"
+    );
+    assert_eq!(
+        app.post("/hooks/json", &[], body).await.outcome(),
+        "duplicate"
+    );
+    let shorter = r#"{"id":"evt\t\u00e4\n"}"#;
+    assert_eq!(
+        app.post("/hooks/json", &[], shorter).await.outcome(),
+        "forwarded"
+    );
+    let tab = app
+        .post("/hooks/orders", &[("x-event-id", "a\tb")], "{}")
+        .await;
+    assert_eq!(tab.outcome(), "forwarded");
+    let seen = app.upstream.seen();
+    let keys: Vec<_> = seen
+        .iter()
+        .map(|seen| seen.header("x-dedupe-key"))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            Some("evt%09%C3%A4%0A%1B"),
+            Some("evt%09%C3%A4%0A"),
+            Some("a%09b")
+        ]
+    );
 }
 
 async fn shadow_mode_forwards_everything_but_records_claims(backend: Backend) {
