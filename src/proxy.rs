@@ -294,6 +294,16 @@ impl Proxy {
                 return answer;
             }
         };
+        if parts.version == Version::HTTP_2 {
+            // hyper ends an HTTP/2 body cut off by RST_STREAM(NO_ERROR) as
+            // if it were whole: read that way, a truncated event would be
+            // claimed and forwarded, and its real delivery answered as a
+            // duplicate. hyper checks for a reset whenever this future
+            // waits, and drops it on one, so waiting once here, before the
+            // webhook is handed to a task that outlives the sender, lets a
+            // reset stream go unclaimed.
+            tokio::task::yield_now().await;
+        }
         let processing = Arc::clone(self).process(Arc::clone(route), parts, body, peer, started);
         // Boxed, so that the task moves a pointer rather than the whole
         // future: spawned inline, beside `held`, it cost about 4 KiB more of

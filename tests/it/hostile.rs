@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -205,6 +206,53 @@ async fn a_path_under_a_prefix_that_leads_to_another_route_is_refused() {
     assert_eq!(
         app.upstream.seen().last().unwrap().uri.path(),
         "/hooks/misc/a/../b"
+    );
+}
+
+/// HTTP/2 lets a sender end a stream with RST_STREAM(NO_ERROR), which
+/// hyper reads as the end of the request body: a body cut off that way must
+/// not be claimed and forwarded as the event, or its real delivery would be
+/// answered as a duplicate. With or without a declared length, the whole
+/// delivery sent after it is the one forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_body_cut_off_by_a_reset_is_neither_claimed_nor_forwarded() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let whole = Bytes::from_static(b"amount=1000&currency=usd");
+    let request = |key: &str, declared: bool| {
+        let mut request =
+            http::Request::post("http://localhost/hooks/orders").header("x-event-id", key);
+        if declared {
+            request = request.header("content-length", whole.len());
+        }
+        request.body(()).unwrap()
+    };
+    for (key, declared) in [("evt_cut", false), ("evt_cut_declared", true)] {
+        let (_, mut cut) = client.send_request(request(key, declared), false).unwrap();
+        cut.send_data(whole.slice(..9), false).unwrap();
+        cut.send_reset(h2::Reason::NO_ERROR);
+        client = client.ready().await.unwrap();
+        let (response, mut sent) = client.send_request(request(key, declared), false).unwrap();
+        sent.send_data(whole.clone(), true).unwrap();
+        let response = response.await.unwrap();
+        assert_eq!(
+            response.headers()["x-dedupe-outcome"],
+            "forwarded",
+            "{key}: the whole delivery is the event"
+        );
+        client = client.ready().await.unwrap();
+    }
+    let seen = app.upstream.seen();
+    let bodies: Vec<_> = seen
+        .iter()
+        .map(|seen| (seen.header("x-dedupe-key").unwrap(), &seen.body[..]))
+        .collect();
+    assert_eq!(
+        bodies,
+        [("evt_cut", &whole[..]), ("evt_cut_declared", &whole[..])]
     );
 }
 
