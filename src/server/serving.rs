@@ -19,16 +19,17 @@
 use std::convert::Infallible;
 use std::future::poll_fn;
 use std::net::SocketAddr;
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::task::Waker;
+use std::task::{Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
-use hyper::service::{HttpService, service_fn};
+use hyper::service::{Service, service_fn};
+use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::io::Interest;
@@ -233,6 +234,7 @@ async fn serve(
     let http = Arc::new(Http {
         http1: super::http1_builder(header_read_timeout),
         http2: super::http2_builder(),
+        http2_idle: header_read_timeout,
     });
     let closing = Closing::default();
     while let Some((stream, addr)) = incoming.recv().await {
@@ -340,6 +342,9 @@ async fn sniff(stream: &TcpStream) -> std::io::Result<Protocol> {
 struct Http {
     http1: http1::Builder,
     http2: http2::Builder<TokioExecutor>,
+    /// How long an HTTP/2 connection may go without an open request: as
+    /// long as an HTTP/1 connection may wait for a request's head.
+    http2_idle: Duration,
 }
 
 impl Http {
@@ -353,7 +358,10 @@ impl Http {
         proxy: &Proxy,
     ) where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-        S: HttpService<Incoming, ResBody = Body, Error = Infallible> + Send + 'static,
+        S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+            + Send
+            + Sync
+            + 'static,
         S::Future: Send + 'static,
     {
         let served = match protocol {
@@ -365,7 +373,13 @@ impl Http {
             // Boxed: HTTP/1 connections, nearly all of them, would otherwise
             // carry room for an HTTP/2 one for as long as they stay open.
             Protocol::Http2 => {
-                Box::pin(closing.watch(self.http2.serve_connection(io, service))).await
+                let requests = Arc::new(OpenRequests::default());
+                let service = Counted {
+                    service,
+                    requests: Arc::clone(&requests),
+                };
+                let connection = self.http2.serve_connection(io, service);
+                Box::pin(serve_http2(connection, closing, &requests, self.http2_idle)).await
             }
         };
         match served {
@@ -421,6 +435,125 @@ impl Closing {
             connection.as_mut().poll(cx)
         })
         .await
+    }
+}
+
+/// Serves an HTTP/2 connection to its end. It is asked to finish gracefully
+/// (GOAWAY) once shutdown begins, or once no request has been open on it for
+/// `idle`, as an HTTP/1 connection is closed once it has waited that long
+/// for a request's head: without that, a sender could keep any number of
+/// connections (and their file descriptors) open by sending nothing after
+/// the preface. A sender that does not then close the connection (it never
+/// answers the GOAWAY's ping) has it dropped `idle` later.
+async fn serve_http2<C: GracefulConnection>(
+    connection: C,
+    closing: &Closing,
+    requests: &OpenRequests,
+    idle: Duration,
+) -> C::Output {
+    let mut connection = pin!(connection);
+    let mut cancelled = pin!(closing.token.cancelled());
+    let mut timer = pin!(tokio::time::sleep(idle));
+    let mut told = None;
+    poll_fn(|cx| {
+        if told.is_none() && cancelled.as_mut().poll(cx).is_ready() {
+            told = Some(Told::Shutdown);
+            connection.as_mut().graceful_shutdown();
+        }
+        while timer.as_mut().poll(cx).is_ready() {
+            let now = tokio::time::Instant::now();
+            match (told, requests.idle_until(now, idle)) {
+                (Some(Told::Idle), _) => return Poll::Ready(Ok(())),
+                (None, None) => {
+                    told = Some(Told::Idle);
+                    connection.as_mut().graceful_shutdown();
+                    timer.as_mut().reset(now + idle);
+                }
+                // Shutting down already: its grace period bounds the rest.
+                (Some(Told::Shutdown), None) => timer.as_mut().reset(now + idle),
+                (_, Some(deadline)) => timer.as_mut().reset(deadline),
+            }
+        }
+        connection.as_mut().poll(cx)
+    })
+    .await
+}
+
+/// Why an HTTP/2 connection was asked to finish.
+#[derive(Clone, Copy)]
+enum Told {
+    Shutdown,
+    Idle,
+}
+
+/// How many requests are open on an HTTP/2 connection, and since when that
+/// number has been what it is.
+struct OpenRequests(std::sync::Mutex<(usize, tokio::time::Instant)>);
+
+impl Default for OpenRequests {
+    fn default() -> Self {
+        Self(std::sync::Mutex::new((0, tokio::time::Instant::now())))
+    }
+}
+
+impl OpenRequests {
+    /// When the connection will have had no open request for `idle`, or
+    /// `None` if it has by `now`.
+    fn idle_until(
+        &self,
+        now: tokio::time::Instant,
+        idle: Duration,
+    ) -> Option<tokio::time::Instant> {
+        let (open, since) = *self.0.lock().expect("not poisoned");
+        let deadline = if open > 0 { now + idle } else { since + idle };
+        (deadline > now).then_some(deadline)
+    }
+
+    fn change(&self, count: impl FnOnce(usize) -> usize) {
+        let mut state = self.0.lock().expect("not poisoned");
+        *state = (count(state.0), tokio::time::Instant::now());
+    }
+}
+
+/// One request open on an HTTP/2 connection, until its answer is made.
+struct OpenRequest(Arc<OpenRequests>);
+
+impl OpenRequest {
+    fn begin(requests: &Arc<OpenRequests>) -> Self {
+        requests.change(|open| open + 1);
+        Self(Arc::clone(requests))
+    }
+}
+
+impl Drop for OpenRequest {
+    fn drop(&mut self) {
+        self.0.change(|open| open - 1);
+    }
+}
+
+/// A service that counts its open requests on an HTTP/2 connection.
+struct Counted<S> {
+    service: S,
+    requests: Arc<OpenRequests>,
+}
+
+impl<S> Service<Request<Incoming>> for Counted<S>
+where
+    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn call(&self, request: Request<Incoming>) -> Self::Future {
+        let open = OpenRequest::begin(&self.requests);
+        let answer = self.service.call(request);
+        Box::pin(async move {
+            let answer = answer.await;
+            drop(open);
+            answer
+        })
     }
 }
 

@@ -1,13 +1,14 @@
 //! Hostile and malformed input: each gets a clear 4xx, nothing is forwarded,
 //! and the proxy stays healthy.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::{Backend, TestApp};
+use crate::support::{Backend, Behavior, Gate, TestApp};
 
 /// Sends raw bytes and returns the status line of the answer (or why none).
 async fn raw(app: &TestApp, request: &[u8]) -> String {
@@ -254,6 +255,58 @@ async fn an_http2_body_cut_off_by_a_reset_is_neither_claimed_nor_forwarded() {
         bodies,
         [("evt_cut", &whole[..]), ("evt_cut_declared", &whole[..])]
     );
+}
+
+/// An HTTP/2 connection with no open request for `limits.header_read_timeout`
+/// is closed, as an idle HTTP/1 connection is: one whose sender answers the
+/// GOAWAY's ping gracefully, one that sent the preface and then nothing at
+/// all a timeout later. A request open longer than that is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_http2_connections_are_closed_and_open_requests_are_not_cut() {
+    let idle = Duration::from_millis(300);
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.limits.header_read_timeout = idle;
+    })
+    .await;
+    let (client, connection) = h2::client::handshake(TcpStream::connect(app.addr).await.unwrap())
+        .await
+        .unwrap();
+    let connection = tokio::spawn(connection);
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_long", [Behavior::Gate(Arc::clone(&gate))]);
+    let request = http::Request::post("http://localhost/hooks/orders")
+        .header("x-event-id", "evt_long")
+        .body(())
+        .unwrap();
+    let (response, _) = client
+        .ready()
+        .await
+        .unwrap()
+        .send_request(request, true)
+        .unwrap();
+    app.upstream.wait_for(1).await;
+    // The request stays open for several idle periods before it is answered.
+    tokio::time::sleep(idle * 4).await;
+    gate.open();
+    let response = response.await.unwrap();
+    assert_eq!(response.headers()["x-dedupe-outcome"], "forwarded");
+    let closed = tokio::time::timeout(Duration::from_secs(10), connection)
+        .await
+        .expect("the idle connection is closed");
+    assert!(closed.unwrap().is_ok(), "closed with GOAWAY(NO_ERROR)");
+
+    let mut silent = TcpStream::connect(app.addr).await.unwrap();
+    silent
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    let mut received = Vec::new();
+    // Ended by a close or, with the server's frames unread, a reset.
+    let _ended = tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut received))
+        .await
+        .expect("a connection that never answers the GOAWAY is dropped");
+    assert_eq!(app.admin_get("/healthz").await.status, 200);
 }
 
 /// RFC 9112 section 3.2: an HTTP/1.1 request with no `Host`, or with more
