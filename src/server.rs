@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
+mod sender_stall;
 mod serving;
 mod timer;
 
@@ -117,6 +118,7 @@ impl Application {
                 .map(|reloader| TlsAcceptor::from(reloader.server_config())),
             grace: config.shutdown_grace,
             header_read_timeout: config.limits.header_read_timeout,
+            upstream_timeout: config.upstream.timeout,
         };
         let serving = ServingThreads::start(lanes, &webhooks).map_err(StartError::ServingThread)?;
         // The first serving thread talks to the database for all of them: a

@@ -140,6 +140,9 @@ pub enum ResponseBodyError {
     /// Nothing more came for `upstream.timeout`.
     #[error("the upstream's response body stalled for {0:?}")]
     Stalled(Duration),
+    /// The sender took nothing more of it for `upstream.timeout`.
+    #[error("the sender took no more of the response for {0:?}")]
+    SenderStalled(Duration),
 }
 
 impl ResponseBody {

@@ -50,6 +50,7 @@ pub(super) struct Webhooks {
     pub tls: Option<TlsAcceptor>,
     pub grace: Duration,
     pub header_read_timeout: Duration,
+    pub upstream_timeout: Duration,
 }
 
 /// A connection handed to a serving thread, with its sender's address.
@@ -229,12 +230,14 @@ async fn serve(
         tls,
         grace,
         header_read_timeout,
+        upstream_timeout,
     } = webhooks;
     let connections = TaskTracker::new();
     let http = Arc::new(Http {
         http1: super::http1_builder(header_read_timeout),
         http2: super::http2_builder(),
         http2_idle: header_read_timeout,
+        http2_send_stall: upstream_timeout,
     });
     let closing = Closing::default();
     while let Some((stream, addr)) = incoming.recv().await {
@@ -345,6 +348,9 @@ struct Http {
     /// How long an HTTP/2 connection may go without an open request: as
     /// long as an HTTP/1 connection may wait for a request's head.
     http2_idle: Duration,
+    /// How long an HTTP/2 sender may take nothing of a response (see
+    /// `sender_stall`): as long as the upstream may send nothing of it.
+    http2_send_stall: Duration,
 }
 
 impl Http {
@@ -377,6 +383,7 @@ impl Http {
                 let service = Counted {
                     service,
                     requests: Arc::clone(&requests),
+                    send_stall: self.http2_send_stall,
                 };
                 let connection = self.http2.serve_connection(io, service);
                 Box::pin(serve_http2(connection, closing, &requests, self.http2_idle)).await
@@ -531,10 +538,12 @@ impl Drop for OpenRequest {
     }
 }
 
-/// A service that counts its open requests on an HTTP/2 connection.
+/// A service that counts its open requests on an HTTP/2 connection, and
+/// cuts off a response its sender stops taking.
 struct Counted<S> {
     service: S,
     requests: Arc<OpenRequests>,
+    send_stall: Duration,
 }
 
 impl<S> Service<Request<Incoming>> for Counted<S>
@@ -549,10 +558,12 @@ where
     fn call(&self, request: Request<Incoming>) -> Self::Future {
         let open = OpenRequest::begin(&self.requests);
         let answer = self.service.call(request);
+        let send_stall = self.send_stall;
         Box::pin(async move {
             let answer = answer.await;
             drop(open);
             answer
+                .map(|response| response.map(|body| super::sender_stall::watched(body, send_stall)))
         })
     }
 }

@@ -10,6 +10,20 @@ use tokio::net::TcpStream;
 
 use crate::support::{Backend, Behavior, Gate, TestApp};
 
+/// Sends a request without a body on an HTTP/2 connection.
+async fn send_whole(
+    client: h2::client::SendRequest<Bytes>,
+    request: http::Request<()>,
+) -> h2::client::ResponseFuture {
+    let (response, _) = client
+        .ready()
+        .await
+        .unwrap()
+        .send_request(request, true)
+        .unwrap();
+    response
+}
+
 /// Sends raw bytes and returns the status line of the answer (or why none).
 async fn raw(app: &TestApp, request: &[u8]) -> String {
     let mut stream = TcpStream::connect(app.addr).await.unwrap();
@@ -279,12 +293,7 @@ async fn idle_http2_connections_are_closed_and_open_requests_are_not_cut() {
         .header("x-event-id", "evt_long")
         .body(())
         .unwrap();
-    let (response, _) = client
-        .ready()
-        .await
-        .unwrap()
-        .send_request(request, true)
-        .unwrap();
+    let response = send_whole(client, request).await;
     app.upstream.wait_for(1).await;
     // The request stays open for several idle periods before it is answered.
     tokio::time::sleep(idle * 4).await;
@@ -520,6 +529,56 @@ async fn raw_upstream(answer: &'static [u8]) -> std::net::SocketAddr {
         }
     });
     addr
+}
+
+/// An HTTP/2 sender that takes nothing of a response (its stream's
+/// flow-control window left at zero) has it cut off after
+/// `upstream.timeout`, so the upstream connection the response came on is
+/// closed instead of being held for as long as the sender stays connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_sender_that_takes_nothing_of_a_response_frees_its_upstream_connection() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = listener.local_addr().unwrap();
+    let (closed_tx, closed) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buffer = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = stream.read(&mut buffer).await.unwrap();
+            head.extend_from_slice(&buffer[..n]);
+        }
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            .await
+            .unwrap();
+        // Whatever the proxy does next, its end of the connection closes.
+        let _ = stream.read(&mut buffer).await;
+        let _ = closed_tx.send(());
+    });
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("http://{upstream_addr}");
+        config.upstream.timeout = Duration::from_millis(300);
+    })
+    .await;
+    let (client, connection) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(TcpStream::connect(app.addr).await.unwrap())
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::get("http://localhost/download")
+        .body(())
+        .unwrap();
+    let response = send_whole(client, request).await;
+    let response = response.await.unwrap();
+    assert_eq!(response.headers()["x-dedupe-outcome"], "passthrough");
+    // A guard against a hang, not a measure: the cut comes after 300 ms.
+    tokio::time::timeout(Duration::from_secs(20), closed)
+        .await
+        .expect("the upstream connection is closed")
+        .unwrap();
+    assert_eq!(app.admin_get("/healthz").await.status, 200);
 }
 
 /// A response with both `Content-Length` and `Transfer-Encoding: chunked`
