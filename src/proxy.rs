@@ -199,7 +199,7 @@ impl Proxy {
                     )
                 } else {
                     format!(
-                        "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters): refused rather than forwarded unverified; send the route's path exactly",
+                        "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters, a format suffix such as `.json`): refused rather than forwarded unverified; send the route's path exactly",
                         meant.name,
                         request.method().as_str().to_ascii_uppercase(),
                         meant.path()

@@ -98,28 +98,33 @@ fn canonical_form(path: &str) -> Cow<'_, [u8]> {
 
 /// Whether [`canonical_path`] would return `path` unchanged: no escapes,
 /// parameters, backslashes or capitals, no empty or dot-led segments, no
-/// trailing slash.
+/// trailing slash, no dot in the last segment.
 fn is_canonical(path: &str) -> bool {
     let bytes = path.as_bytes();
     if bytes.first() != Some(&b'/') || bytes.ends_with(b"/") {
         return false;
     }
     let mut previous = 0;
+    let mut dot_in_segment = false;
     for &byte in bytes {
         match byte {
             b'%' | b';' | b'\\' | b'A'..=b'Z' => return false,
             b'/' | b'.' if previous == b'/' => return false,
+            b'/' => dot_in_segment = false,
+            b'.' => dot_in_segment = true,
             _ => {}
         }
         previous = byte;
     }
-    true
+    !dot_in_segment
 }
 
 /// A path as web frameworks commonly read it before routing: percent-decoded
 /// (`%2F` included), `\` taken for `/`, `;` parameters (`/a;v=1`), empty
-/// and `.` segments dropped, `..` applied, ASCII letters lower-cased, with no
-/// trailing slash (the root is empty).
+/// and `.` segments dropped, `..` applied, ASCII letters lower-cased, a
+/// format suffix of the last segment dropped (`/orders.json`: Rails routes
+/// take it as the response format, Spring MVC before 5.3 matched any
+/// suffix), with no trailing slash (the root is empty).
 fn canonical_path(path: &str) -> Vec<u8> {
     let mut canonical = Vec::with_capacity(path.len() + 1);
     let mut segment_start = 1;
@@ -147,6 +152,13 @@ fn canonical_path(path: &str) -> Vec<u8> {
             _ if in_parameters => {}
             _ => canonical.push(byte.to_ascii_lowercase()),
         }
+    }
+    if let Some(dot) = canonical[segment_start..]
+        .iter()
+        .position(|&byte| byte == b'.')
+        .filter(|&dot| dot > 0)
+    {
+        canonical.truncate(segment_start + dot);
     }
     end_segment(&mut canonical, segment_start);
     canonical
@@ -406,6 +418,12 @@ mod tests {
             ("/hooks;a=1/orders;jsessionid=2", "/hooks/orders"),
             ("\\hooks\\orders", "/hooks/orders"),
             ("/hooks/orders%20", "/hooks/orders "),
+            ("/hooks/orders.json", "/hooks/orders"),
+            ("/hooks/orders.v2.xml", "/hooks/orders"),
+            ("/hooks/ORDERS%2Ejson", "/hooks/orders"),
+            ("/hooks.d/orders", "/hooks.d/orders"),
+            ("/hooks/orders/..", "/hooks"),
+            ("/hooks/orders/.", "/hooks/orders"),
             ("/hooks/orders%zz", "/hooks/orders%zz"),
             ("/", ""),
             ("", ""),
@@ -465,6 +483,7 @@ mod tests {
             "/hooks/./orders",
             "/x/../hooks/orders",
             "/hooks/orders;x",
+            "/hooks/orders.json",
         ] {
             assert_eq!(near_miss("POST", path).as_deref(), Some("orders"), "{path}");
         }

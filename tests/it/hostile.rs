@@ -149,8 +149,9 @@ async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn variants_of_a_route_are_refused_not_forwarded() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
-    let variants: [&[u8]; 6] = [
+    let variants: [&[u8]; 7] = [
         b"POST /hooks/%6Frders HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/orders.json HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
         b"POST /HOOKS/Orders/ HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
         b"POST //hooks/./orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
         b"POST /hooks%2Forders HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
@@ -168,7 +169,7 @@ async fn variants_of_a_route_are_refused_not_forwarded() {
         response.body
     );
     app.assert_metrics(&[
-        r#"dedupe_requests_total{outcome="rejected_bad_request",route="orders"} 7"#,
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="orders"} 8"#,
     ])
     .await;
     assert_healthy_and_untouched(&app).await;
