@@ -739,30 +739,39 @@ fn malformation(request: &Request<Incoming>) -> Option<&'static str> {
         }
         (host, _) => host,
     };
-    // HTTP/2 requests always come with a scheme and an authority.
-    if request.version() >= Version::HTTP_2 {
-        return None;
+    // RFC 9112 section 3.2: a Host that is not a host and an optional port
+    // (`a/b`, `a b`, `user@a`) would be passed on as one to the application,
+    // and in X-Forwarded-Host.
+    if host.is_some_and(|host| {
+        !host.is_empty()
+            && (host.as_bytes().contains(&b'@')
+                || http::uri::Authority::try_from(host.as_bytes()).is_err())
+    }) {
+        return Some("the Host field is not a host with an optional port");
     }
     let target = request.uri();
-    match (target.scheme(), target.authority()) {
-        (None, Some(_)) => Some("a request target in authority form is for CONNECT only"),
-        // RFC 9112 section 3.2.2: the target's authority, not Host, names the
-        // resource; forwarded with the sender's Host, the application would
-        // read another.
-        (Some(_), Some(authority))
-            if host.is_some_and(|host| {
-                !host
-                    .as_bytes()
-                    .eq_ignore_ascii_case(authority.as_str().as_bytes())
-            }) =>
-        {
-            Some("the request target's authority and the Host field differ")
-        }
-        _ if target.path() == "*" && request.method() != Method::OPTIONS => {
-            Some("a request target of `*` is for OPTIONS only")
-        }
-        _ => None,
+    let http2 = request.version() >= Version::HTTP_2;
+    if !http2 && target.scheme().is_none() && target.authority().is_some() {
+        return Some("a request target in authority form is for CONNECT only");
     }
+    // RFC 9112 section 3.2.2 and RFC 9113 section 8.3.1: the target's
+    // authority (HTTP/2's `:authority`), not Host, names the resource;
+    // forwarded with the sender's Host, the application would read another.
+    if let (Some(authority), Some(host)) = (target.authority(), host)
+        && !host
+            .as_bytes()
+            .eq_ignore_ascii_case(authority.as_str().as_bytes())
+    {
+        return Some(if http2 {
+            "the :authority and Host fields differ"
+        } else {
+            "the request target's authority and the Host field differ"
+        });
+    }
+    if target.path() == "*" && request.method() != Method::OPTIONS {
+        return Some("a request target of `*` is for OPTIONS only");
+    }
+    None
 }
 
 /// Whether the request's framing could be read two ways by two servers (the

@@ -126,7 +126,10 @@ async fn a_request_refused_for_its_framing_closes_the_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
-    let refused: [&[u8]; 5] = [
+    let refused: [&[u8]; 8] = [
+        b"POST /hooks/orders HTTP/1.1\r\nHost: x/evil\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/orders HTTP/1.1\r\nHost: a b\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/orders HTTP/1.1\r\nHost: user@x\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
         b"CONNECT a.example:443 HTTP/1.1\r\nHost: a.example:443\r\n\r\n",
         b"GET a.example:80 HTTP/1.1\r\nHost: a.example\r\n\r\n",
         b"POST * HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
@@ -139,6 +142,44 @@ async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
     assert!(status.starts_with("HTTP/1.1 200"), "{status}");
     let seen = app.upstream.seen();
     assert_eq!(seen.last().unwrap().header("x-dedupe-key"), Some("t4"));
+}
+
+/// Over HTTP/2 as over HTTP/1: a Host that names another authority than
+/// `:authority`, and `*` as the path of anything but OPTIONS, are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let (client, connection) = h2::client::handshake(TcpStream::connect(app.addr).await.unwrap())
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let other_host = http::Request::post("http://a.example/hooks/orders")
+        .header("host", "b.example")
+        .header("x-event-id", "h2_host")
+        .body(())
+        .unwrap();
+    let mut star = http::Request::post("http://a.example/").body(()).unwrap();
+    *star.uri_mut() = http::Uri::from_parts({
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(http::uri::Scheme::HTTP);
+        parts.authority = Some(http::uri::Authority::from_static("a.example"));
+        parts.path_and_query = Some(http::uri::PathAndQuery::from_static("*"));
+        parts
+    })
+    .unwrap();
+    for request in [other_host, star] {
+        let response = send_whole(client.clone(), request).await.await.unwrap();
+        assert_eq!(response.status(), 400);
+        assert_eq!(response.headers()["x-dedupe-outcome"], "rejected");
+    }
+    let same_host = http::Request::post("http://a.example/hooks/orders")
+        .header("host", "A.example")
+        .header("x-event-id", "h2_same")
+        .body(())
+        .unwrap();
+    let response = send_whole(client, same_host).await.await.unwrap();
+    assert_eq!(response.headers()["x-dedupe-outcome"], "forwarded");
+    assert_eq!(app.upstream.count(), 1);
 }
 
 /// Variants of a route's path that an application may read as that path
