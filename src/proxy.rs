@@ -27,7 +27,7 @@ use record::{InFlight, class_of, log_request};
 use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, Unmatched};
 use crate::key;
 use crate::metrics::{Metrics, UpstreamSeries};
-use crate::route::{Route, Routes};
+use crate::route::{NearMiss, Route, Routes};
 use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
 use crate::upstream::{DedupeHeaders, Peer, RequestBody, StreamedBody, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
@@ -183,6 +183,7 @@ impl Proxy {
             .routes
             .near_miss(request.method(), request.uri().path(), route);
         let route_name = near_miss
+            .map(NearMiss::route)
             .or(route)
             .map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let malformed = malformation(&request);
@@ -190,22 +191,21 @@ impl Proxy {
             _ if let Some(problem) = malformed => {
                 Answer::Rejected(Rejection::BadRequest(problem.into()))
             }
-            _ if let Some(meant) = near_miss => Answer::Rejected(Rejection::BadRequest(
-                if route.is_some_and(|found| Arc::ptr_eq(found, meant)) {
-                    format!(
-                        "a path under route {}'s path_prefix ({}) whose dot segments lead out of it: refused rather than forwarded to another path with this route's checks",
-                        meant.name,
-                        meant.path()
-                    )
-                } else {
-                    format!(
+            _ if let Some(near_miss) = near_miss => {
+                Answer::Rejected(Rejection::BadRequest(match near_miss {
+                    NearMiss::Variant(meant) => format!(
                         "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters, a format suffix such as `.json`): refused rather than forwarded unverified; send the route's path exactly",
                         meant.name,
                         request.method().as_str().to_ascii_uppercase(),
                         meant.path()
-                    )
-                },
-            )),
+                    ),
+                    NearMiss::OutOfPrefix(prefix) => format!(
+                        "a path under route {}'s path_prefix ({}) whose dot segments lead out of it: refused rather than forwarded to another path with this route's checks",
+                        prefix.name,
+                        prefix.path()
+                    ),
+                }))
+            }
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
             // Boxed: hyper keeps one slot per connection for this future from
             // the connection's first request to its close, so what it holds
@@ -227,7 +227,7 @@ impl Proxy {
             },
         };
         self.record(
-            route.or(near_miss).is_some(),
+            route.is_some() || near_miss.is_some(),
             route_name,
             &Trace::default(),
             &answer,

@@ -98,33 +98,28 @@ fn canonical_form(path: &str) -> Cow<'_, [u8]> {
 
 /// Whether [`canonical_path`] would return `path` unchanged: no escapes,
 /// parameters, backslashes or capitals, no empty or dot-led segments, no
-/// trailing slash, no dot in the last segment.
+/// trailing slash.
 fn is_canonical(path: &str) -> bool {
     let bytes = path.as_bytes();
     if bytes.first() != Some(&b'/') || bytes.ends_with(b"/") {
         return false;
     }
     let mut previous = 0;
-    let mut dot_in_segment = false;
     for &byte in bytes {
         match byte {
             b'%' | b';' | b'\\' | b'A'..=b'Z' => return false,
             b'/' | b'.' if previous == b'/' => return false,
-            b'/' => dot_in_segment = false,
-            b'.' => dot_in_segment = true,
             _ => {}
         }
         previous = byte;
     }
-    !dot_in_segment
+    true
 }
 
 /// A path as web frameworks commonly read it before routing: percent-decoded
 /// (`%2F` included), `\` taken for `/`, `;` parameters (`/a;v=1`), empty
-/// and `.` segments dropped, `..` applied, ASCII letters lower-cased, a
-/// format suffix of the last segment dropped (`/orders.json`: Rails routes
-/// take it as the response format, Spring MVC before 5.3 matched any
-/// suffix), with no trailing slash (the root is empty).
+/// and `.` segments dropped, `..` applied, ASCII letters lower-cased, with no
+/// trailing slash (the root is empty).
 fn canonical_path(path: &str) -> Vec<u8> {
     let mut canonical = Vec::with_capacity(path.len() + 1);
     let mut segment_start = 1;
@@ -153,15 +148,18 @@ fn canonical_path(path: &str) -> Vec<u8> {
             _ => canonical.push(byte.to_ascii_lowercase()),
         }
     }
-    if let Some(dot) = canonical[segment_start..]
-        .iter()
-        .position(|&byte| byte == b'.')
-        .filter(|&dot| dot > 0)
-    {
-        canonical.truncate(segment_start + dot);
-    }
     end_segment(&mut canonical, segment_start);
     canonical
+}
+
+/// A canonical path without the format suffix of its last segment
+/// (`/orders.json` as `/orders`), which Rails routes take as the response
+/// format and Spring MVC before 5.3 matched as any suffix; `None` if it has
+/// none.
+fn without_format(canonical: &[u8]) -> Option<&[u8]> {
+    let segment = canonical.iter().rposition(|&byte| byte == b'/')? + 1;
+    let dot = canonical[segment..].iter().position(|&byte| byte == b'.')?;
+    (dot > 0).then(|| &canonical[..segment + dot])
 }
 
 impl Route {
@@ -242,6 +240,25 @@ pub fn missing_key(provider: Option<Provider>) -> String {
     }
 }
 
+/// A request that names another route than the one it matched (see
+/// [`Routes::near_miss`]).
+#[derive(Debug, Clone, Copy)]
+pub enum NearMiss<'a> {
+    /// A variant of this route's path or method.
+    Variant(&'a Arc<Route>),
+    /// A path under this route's prefix whose dot segments lead out of it.
+    OutOfPrefix(&'a Arc<Route>),
+}
+
+impl<'a> NearMiss<'a> {
+    /// The route the request is refused as.
+    pub fn route(self) -> &'a Arc<Route> {
+        match self {
+            NearMiss::Variant(route) | NearMiss::OutOfPrefix(route) => route,
+        }
+    }
+}
+
 /// All routes, in match order: exact paths first, then the longest prefix.
 #[derive(Debug, Default)]
 pub struct Routes {
@@ -274,24 +291,23 @@ impl Routes {
             .find(|route| route.path.matches(path) && route.methods.contains(method))
     }
 
-    /// The route a request was meant for, when that is not the route it
-    /// matched: its path, read the way an application may read it (see
-    /// [`canonical_form`]: `/Hooks/Orders/`, `/hooks/%6Frders`,
-    /// `//hooks/./orders`), is another route's path or falls under another
-    /// route's prefix, with one of that route's methods in any letter case.
-    /// Forwarded as matched or unmatched, such a request could reach that
-    /// route's handler in the application without its signature checked or
-    /// its key claimed. `found` is the route the request matched, if any: an
-    /// exact match is the route's own path and is never a variant; a request
-    /// under a prefix whose dot segments lead out of that prefix, to no
-    /// route, is a variant of the prefix's route (it would reach a path
-    /// outside it with the prefix route's checks).
+    /// Whether a request names another route than the one it matched, the
+    /// way an application may read its path (see [`canonical_form`]:
+    /// `/Hooks/Orders/`, `/hooks/%6Frders`, `//hooks/./orders`, and
+    /// [`without_format`]: `/hooks/orders.json`): another route's path, or a
+    /// path under another route's prefix, with one of that route's methods in
+    /// any letter case. Forwarded as matched or unmatched, such a request
+    /// could reach that route's handler in the application without its
+    /// signature checked or its key claimed. `found` is the route the request
+    /// matched, if any: an exact match is the route's own path and is never a
+    /// variant; a request under a prefix whose dot segments lead out of it
+    /// would reach a path outside the prefix with the prefix route's checks.
     pub fn near_miss<'a>(
         &'a self,
         method: &Method,
         path: &str,
         found: Option<&'a Arc<Route>>,
-    ) -> Option<&'a Arc<Route>> {
+    ) -> Option<NearMiss<'a>> {
         if found.is_some_and(|route| !route.path.prefix) {
             return None;
         }
@@ -304,7 +320,11 @@ impl Routes {
         let mut candidates = self.routes.iter().filter(same_method).peekable();
         candidates.peek()?;
         let canonical = canonical_form(path);
-        let meant = candidates.find(|route| route.path.matches_canonical(&canonical));
+        let without_format = without_format(&canonical);
+        let meant = candidates.find(|route| {
+            route.path.matches_canonical(&canonical)
+                || without_format.is_some_and(|path| route.path.matches_canonical(path))
+        });
         match (found, meant) {
             // Two routes whose paths differ only in what an application
             // ignores cannot be told apart by it either.
@@ -313,8 +333,8 @@ impl Routes {
             {
                 None
             }
-            (Some(found), None) => Some(found),
-            (_, meant) => meant,
+            (Some(found), None) => Some(NearMiss::OutOfPrefix(found)),
+            (_, meant) => meant.map(NearMiss::Variant),
         }
     }
 
@@ -418,10 +438,6 @@ mod tests {
             ("/hooks;a=1/orders;jsessionid=2", "/hooks/orders"),
             ("\\hooks\\orders", "/hooks/orders"),
             ("/hooks/orders%20", "/hooks/orders "),
-            ("/hooks/orders.json", "/hooks/orders"),
-            ("/hooks/orders.v2.xml", "/hooks/orders"),
-            ("/hooks/ORDERS%2Ejson", "/hooks/orders"),
-            ("/hooks.d/orders", "/hooks.d/orders"),
             ("/hooks/orders/..", "/hooks"),
             ("/hooks/orders/.", "/hooks/orders"),
             ("/hooks/orders%zz", "/hooks/orders%zz"),
@@ -431,6 +447,26 @@ mod tests {
         ] {
             assert_eq!(canonical(path), expected, "{path}");
         }
+    }
+
+    #[test]
+    fn a_format_suffix_is_the_last_segment_from_its_first_dot() {
+        let without = |canonical: &str| {
+            without_format(canonical.as_bytes())
+                .map(|path| String::from_utf8(path.to_vec()).unwrap())
+        };
+        assert_eq!(
+            without("/hooks/orders.json").as_deref(),
+            Some("/hooks/orders")
+        );
+        assert_eq!(
+            without("/hooks/orders.v2.xml").as_deref(),
+            Some("/hooks/orders")
+        );
+        assert_eq!(without("/hooks.d/orders"), None);
+        assert_eq!(without("/hooks/.json"), None);
+        assert_eq!(without("/hooks/orders"), None);
+        assert_eq!(without(""), None);
     }
 
     #[test]
@@ -472,7 +508,7 @@ mod tests {
             );
             routes
                 .near_miss(&method(verb), path, None)
-                .map(|r| r.name.to_string())
+                .map(|miss| miss.route().name.to_string())
         };
         for path in [
             "/hooks/orders/",
@@ -530,7 +566,7 @@ mod tests {
             );
             routes
                 .near_miss(&post, path, found)
-                .map(|r| r.name.to_string())
+                .map(|miss| miss.route().name.to_string())
         };
         for (path, meant) in [
             ("/hooks/x/../orders", "orders"),
@@ -555,6 +591,15 @@ mod tests {
         ] {
             assert_eq!(near_miss(path), None, "{path}");
         }
+        let dotted = self::routes(
+            "routes:
+               - { name: api, path_prefix: /api/v1.2/, key: { header: X-Id } }",
+        );
+        for path in ["/api/v1.2/orders", "/api/v1.2/orders.json", "/api/v1.2/"] {
+            let found = dotted.find(&post, path);
+            assert!(found.is_some(), "{path}");
+            assert!(dotted.near_miss(&post, path, found).is_none(), "{path}");
+        }
         let exact = routes.find(&post, "/hooks/orders");
         assert!(routes.near_miss(&post, "/hooks/orders", exact).is_none());
         let github = routes.find(&post, "/hooks/github/x/../../orders");
@@ -562,7 +607,7 @@ mod tests {
         assert_eq!(
             routes
                 .near_miss(&post, "/hooks/github/x/../../orders", github)
-                .map(|r| &*r.name),
+                .map(|miss| &*miss.route().name),
             Some("orders")
         );
     }
