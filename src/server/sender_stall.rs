@@ -21,7 +21,8 @@ use crate::proxy::Body;
 use crate::upstream::ResponseBodyError;
 
 /// `body`, cut off once its sender has taken nothing of it for `stall`.
-pub(super) fn watched(body: Body, stall: Duration) -> Body {
+/// `guard` is kept for as long as the body is being passed on.
+pub(super) fn watched<G: Send + Sync + 'static>(body: Body, stall: Duration, guard: G) -> Body {
     if body.is_end_stream() {
         return body;
     }
@@ -31,7 +32,10 @@ pub(super) fn watched(body: Body, stall: Duration) -> Body {
         cut_off: None,
     }));
     tokio::spawn(watch(Arc::downgrade(&slot), stall));
-    Body::new(Watched(slot))
+    Body::new(Watched {
+        slot,
+        _guard: guard,
+    })
 }
 
 struct Slot {
@@ -45,9 +49,12 @@ struct Slot {
     cut_off: Option<Duration>,
 }
 
-struct Watched(Arc<Mutex<Slot>>);
+struct Watched<G> {
+    slot: Arc<Mutex<Slot>>,
+    _guard: G,
+}
 
-impl hyper::body::Body for Watched {
+impl<G> hyper::body::Body for Watched<G> {
     type Data = Bytes;
     type Error = ResponseBodyError;
 
@@ -55,7 +62,7 @@ impl hyper::body::Body for Watched {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, ResponseBodyError>>> {
-        let mut slot = self.0.lock().expect("not poisoned");
+        let mut slot = self.slot.lock().expect("not poisoned");
         let Some(body) = slot.body.as_mut() else {
             return Poll::Ready(
                 slot.cut_off
@@ -76,7 +83,7 @@ impl hyper::body::Body for Watched {
     }
 
     fn is_end_stream(&self) -> bool {
-        let slot = self.0.lock().expect("not poisoned");
+        let slot = self.slot.lock().expect("not poisoned");
         match &slot.body {
             Some(body) => body.is_end_stream(),
             None => slot.cut_off.is_none(),
@@ -84,7 +91,7 @@ impl hyper::body::Body for Watched {
     }
 
     fn size_hint(&self) -> SizeHint {
-        let slot = self.0.lock().expect("not poisoned");
+        let slot = self.slot.lock().expect("not poisoned");
         slot.body
             .as_ref()
             .map_or_else(SizeHint::default, |body| body.size_hint())

@@ -366,7 +366,6 @@ impl Http {
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
         S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
             + Send
-            + Sync
             + 'static,
         S::Future: Send + 'static,
     {
@@ -522,7 +521,8 @@ impl OpenRequests {
     }
 }
 
-/// One request open on an HTTP/2 connection, until its answer is made.
+/// One request open on an HTTP/2 connection, until its answer has been
+/// passed on.
 struct OpenRequest(Arc<OpenRequests>);
 
 impl OpenRequest {
@@ -561,9 +561,9 @@ where
         let send_stall = self.send_stall;
         Box::pin(async move {
             let answer = answer.await;
-            drop(open);
-            answer
-                .map(|response| response.map(|body| super::sender_stall::watched(body, send_stall)))
+            answer.map(|response| {
+                response.map(|body| super::sender_stall::watched(body, send_stall, open))
+            })
         })
     }
 }
