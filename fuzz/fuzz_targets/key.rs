@@ -1,6 +1,7 @@
 //! Key extraction from any header value and any body: a key within the limit
-//! that is UTF-8 text without control characters, no key, or an error; never
-//! a panic.
+//! that is UTF-8 text without NUL, no key, or an error; never a panic. Its
+//! `X-Dedupe-Key` value is visible ASCII whatever control characters it
+//! holds.
 #![no_main]
 
 use bytes::Bytes;
@@ -25,7 +26,7 @@ fuzz_target!(|input: (&[u8], &[u8], bool)| {
     }
     if let Ok(Some(key)) = source.extract(&headers, &Bytes::copy_from_slice(body), MAX_KEY_BYTES) {
         assert!(!key.is_empty() && key.len() <= MAX_KEY_BYTES);
-        assert!(!key.chars().any(char::is_control));
+        assert!(!key.contains('\0'));
         let encoded = dedupe_proxy::key::header_value(key.as_bytes());
         assert!(encoded.to_str().is_ok(), "the X-Dedupe-Key value is visible ASCII");
     }
