@@ -16,6 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::{Body as _, Frame, SizeHint};
 use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::proxy::Body;
 use crate::upstream::ResponseBodyError;
@@ -31,10 +32,12 @@ pub(super) fn watched<G: Send + Sync + 'static>(body: Body, stall: Duration, gua
         handed_at: Some(Instant::now()),
         cut_off: None,
     }));
-    tokio::spawn(watch(Arc::downgrade(&slot), stall));
+    let dropped = CancellationToken::new();
+    tokio::spawn(watch(Arc::downgrade(&slot), stall, dropped.clone()));
     Body::new(Watched {
         slot,
         _guard: guard,
+        _dropped: dropped.drop_guard(),
     })
 }
 
@@ -52,6 +55,11 @@ struct Slot {
 struct Watched<G> {
     slot: Arc<Mutex<Slot>>,
     _guard: G,
+    /// Ends the watch, and takes its timer out of the runtime's, as soon as
+    /// the body is done with rather than at its next deadline: a watch that
+    /// outlived its response by `stall` would hold a task and a timer for
+    /// every response of the last `stall`.
+    _dropped: DropGuard,
 }
 
 impl<G> hyper::body::Body for Watched<G> {
@@ -99,11 +107,17 @@ impl<G> hyper::body::Body for Watched<G> {
 }
 
 /// Drops the body once its sender has taken nothing for `stall`; ends when
-/// the body ends or is dropped.
-async fn watch(slot: Weak<Mutex<Slot>>, stall: Duration) {
+/// the body has ended or is dropped.
+async fn watch(slot: Weak<Mutex<Slot>>, stall: Duration, dropped: CancellationToken) {
     let mut deadline = Instant::now() + stall;
     loop {
-        tokio::time::sleep_until(deadline).await;
+        if dropped
+            .run_until_cancelled(tokio::time::sleep_until(deadline))
+            .await
+            .is_none()
+        {
+            return;
+        }
         let Some(slot) = slot.upgrade() else { return };
         let mut slot = slot.lock().expect("not poisoned");
         if slot.body.is_none() {
@@ -122,5 +136,66 @@ async fn watch(slot: Weak<Mutex<Slot>>, stall: Duration) {
             Some(due) => deadline = due,
             None => deadline = Instant::now() + stall,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Full};
+
+    fn body(text: &'static str) -> Body {
+        Full::new(Bytes::from_static(text.as_bytes()))
+            .map_err(|never| match never {})
+            .boxed()
+    }
+
+    async fn alive_tasks_settle_at(expected: usize) {
+        for _ in 0..100 {
+            if tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks()
+                == expected
+            {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!(
+            "{} tasks alive, expected {expected}",
+            tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_passed_on_whole_ends_its_watch_at_once() {
+        let before = tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks();
+        let watched = watched(body("answer"), Duration::from_secs(3600), ());
+        assert_eq!(
+            tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks(),
+            before + 1
+        );
+        let collected = watched.collect().await.unwrap().to_bytes();
+        assert_eq!(&collected[..], b"answer");
+        alive_tasks_settle_at(before).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_its_sender_takes_nothing_of_is_dropped_after_the_stall() {
+        let stall = Duration::from_secs(30);
+        let mut watched = watched(body("never taken"), stall, ());
+        tokio::time::sleep(stall * 2).await;
+        let frame = watched.frame().await.expect("the cut is reported");
+        assert!(
+            matches!(frame, Err(ResponseBodyError::SenderStalled(d)) if d == stall),
+            "{frame:?}"
+        );
+        assert!(watched.frame().await.is_none());
     }
 }
