@@ -266,18 +266,15 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
 /// (`\t`, `\u{1b}`), so a key cannot break the table's lines or send a
 /// terminal its control sequences. `--json` gives the key exactly.
 fn visible(key: &str) -> String {
-    if !key.chars().any(char::is_control) {
-        return key.to_owned();
+    let mut shown = String::with_capacity(key.len());
+    for c in key.chars() {
+        if c.is_control() {
+            shown.extend(c.escape_default());
+        } else {
+            shown.push(c);
+        }
     }
-    key.chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect()
+    shown
 }
 
 fn to_json(value: &impl Serialize) -> String {

@@ -10,6 +10,20 @@ use tokio::net::TcpStream;
 
 use crate::support::{Backend, Behavior, Gate, TestApp};
 
+/// An HTTP/2 connection to the proxy (prior knowledge), and the task that
+/// drives it, which ends when the connection closes.
+async fn http2_client(
+    app: &TestApp,
+    builder: &h2::client::Builder,
+) -> (
+    h2::client::SendRequest<Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let (client, connection) = builder.handshake(tcp).await.unwrap();
+    (client, tokio::spawn(connection))
+}
+
 /// Sends a request without a body on an HTTP/2 connection.
 async fn send_whole(
     client: h2::client::SendRequest<Bytes>,
@@ -149,10 +163,7 @@ async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
-    let (client, connection) = h2::client::handshake(TcpStream::connect(app.addr).await.unwrap())
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (client, _) = http2_client(&app, &h2::client::Builder::new()).await;
     let other_host = http::Request::post("http://a.example/hooks/orders")
         .header("host", "b.example")
         .header("x-event-id", "h2_host")
@@ -274,9 +285,7 @@ async fn a_path_under_a_prefix_that_leads_to_another_route_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_body_cut_off_by_a_reset_is_neither_claimed_nor_forwarded() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
-    let tcp = TcpStream::connect(app.addr).await.unwrap();
-    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
-    tokio::spawn(connection);
+    let (client, _) = http2_client(&app, &h2::client::Builder::new()).await;
     let mut client = client.ready().await.unwrap();
     let whole = Bytes::from_static(b"amount=1000&currency=usd");
     let request = |key: &str, declared: bool| {
@@ -324,10 +333,7 @@ async fn idle_http2_connections_are_closed_and_open_requests_are_not_cut() {
         config.limits.header_read_timeout = idle;
     })
     .await;
-    let (client, connection) = h2::client::handshake(TcpStream::connect(app.addr).await.unwrap())
-        .await
-        .unwrap();
-    let connection = tokio::spawn(connection);
+    let (client, connection) = http2_client(&app, &h2::client::Builder::new()).await;
     let gate = Gate::new();
     app.upstream
         .script("evt_long", [Behavior::Gate(Arc::clone(&gate))]);
@@ -603,12 +609,7 @@ async fn an_http2_sender_that_takes_nothing_of_a_response_frees_its_upstream_con
         config.upstream.timeout = Duration::from_millis(300);
     })
     .await;
-    let (client, connection) = h2::client::Builder::new()
-        .initial_window_size(0)
-        .handshake::<_, Bytes>(TcpStream::connect(app.addr).await.unwrap())
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (client, _) = http2_client(&app, h2::client::Builder::new().initial_window_size(0)).await;
     let request = http::Request::get("http://localhost/download")
         .body(())
         .unwrap();
