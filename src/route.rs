@@ -117,16 +117,25 @@ fn is_canonical(path: &str) -> bool {
 }
 
 /// A path as web frameworks commonly read it before routing: percent-decoded
-/// (`%2F` included), `\` taken for `/`, `;` parameters (`/a;v=1`), empty
-/// and `.` segments dropped, `..` applied, ASCII letters lower-cased, with no
-/// trailing slash (the root is empty).
+/// (`%2F` included), `\` taken for `/`, `;` parameters (`/a;v=1`), each
+/// segment trimmed of spaces and control characters (as Spring's
+/// `AntPathMatcher` did before 4.3.1, and Windows does with file names),
+/// empty and `.` segments dropped, `..` applied, ASCII letters lower-cased,
+/// with no trailing slash (the root is empty).
 fn canonical_path(path: &str) -> Vec<u8> {
     let mut canonical = Vec::with_capacity(path.len() + 1);
     let mut segment_start = 1;
     let mut in_parameters = false;
     canonical.push(b'/');
-    let end_segment =
-        |canonical: &mut Vec<u8>, segment_start: usize| match &canonical[segment_start..] {
+    let end_segment = |canonical: &mut Vec<u8>, segment_start: usize| {
+        let segment = &canonical[segment_start..];
+        let first = segment.iter().position(|&byte| byte > b' ');
+        let first = first.unwrap_or(segment.len());
+        let end = segment.iter().rposition(|&byte| byte > b' ');
+        let end = end.map_or(first, |last| last + 1);
+        canonical.copy_within(segment_start + first..segment_start + end, segment_start);
+        canonical.truncate(segment_start + end - first);
+        match &canonical[segment_start..] {
             b"" | b"." => canonical.truncate(segment_start - 1),
             b".." => {
                 canonical.truncate(segment_start - 1);
@@ -134,7 +143,8 @@ fn canonical_path(path: &str) -> Vec<u8> {
                 canonical.truncate(parent.unwrap_or(0));
             }
             _ => {}
-        };
+        }
+    };
     for byte in percent_encoding::percent_decode_str(path) {
         match byte {
             b'/' | b'\\' => {
@@ -437,7 +447,11 @@ mod tests {
             ("/../../hooks/orders", "/hooks/orders"),
             ("/hooks;a=1/orders;jsessionid=2", "/hooks/orders"),
             ("\\hooks\\orders", "/hooks/orders"),
-            ("/hooks/orders%20", "/hooks/orders "),
+            ("/hooks/orders%20", "/hooks/orders"),
+            ("/hooks/%09orders%0D%0A", "/hooks/orders"),
+            ("/hooks/%20/orders", "/hooks/orders"),
+            ("/hooks/or%20ders", "/hooks/or ders"),
+            ("/hooks/orders/.%20", "/hooks/orders"),
             ("/hooks/orders/..", "/hooks"),
             ("/hooks/orders/.", "/hooks/orders"),
             ("/hooks/orders%zz", "/hooks/orders%zz"),
@@ -520,6 +534,8 @@ mod tests {
             "/x/../hooks/orders",
             "/hooks/orders;x",
             "/hooks/orders.json",
+            "/hooks/orders%20",
+            "/hooks/%09orders",
         ] {
             assert_eq!(near_miss("POST", path).as_deref(), Some("orders"), "{path}");
         }

@@ -195,14 +195,15 @@ async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
 
 /// Variants of a route's path that an application may read as that path
 /// (letter case, percent-encoding, dot segments, extra slashes, `;`
-/// parameters), or its method in other letters, are refused: forwarded as
+/// parameters, spaces around a segment), or its method in other letters, are refused: forwarded as
 /// unmatched they would reach the webhook handler unverified and
 /// undeduplicated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn variants_of_a_route_are_refused_not_forwarded() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
-    let variants: [&[u8]; 7] = [
+    let variants: [&[u8]; 8] = [
         b"POST /hooks/%6Frders HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/orders%20%09 HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
         b"POST /hooks/orders.json HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
         b"POST /HOOKS/Orders/ HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
         b"POST //hooks/./orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: v1\r\nContent-Length: 2\r\n\r\n{}",
@@ -221,7 +222,7 @@ async fn variants_of_a_route_are_refused_not_forwarded() {
         response.body
     );
     app.assert_metrics(&[
-        r#"dedupe_requests_total{outcome="rejected_bad_request",route="orders"} 8"#,
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="orders"} 9"#,
     ])
     .await;
     assert_healthy_and_untouched(&app).await;
