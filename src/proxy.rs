@@ -194,7 +194,7 @@ impl Proxy {
             _ if let Some(near_miss) = near_miss => {
                 Answer::Rejected(Rejection::BadRequest(match near_miss {
                     NearMiss::Variant(meant) => format!(
-                        "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters, a format suffix such as `.json`): refused rather than forwarded unverified; send the route's path exactly",
+                        "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters, spaces around a segment, a format suffix such as `.json`): refused rather than forwarded unverified; send the route's path exactly",
                         meant.name,
                         request.method().as_str().to_ascii_uppercase(),
                         meant.path()
