@@ -28,7 +28,7 @@ use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, 
 use crate::key;
 use crate::metrics::{Metrics, UpstreamSeries};
 use crate::route::{NearMiss, Route, Routes};
-use crate::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
+use crate::store::{Claim, ClaimRequest, Fence, SettledStatus, Settlement, Store};
 use crate::upstream::{DedupeHeaders, Peer, RequestBody, StreamedBody, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
 
@@ -104,7 +104,7 @@ struct Held {
 /// A claim this request won, with enough of its lease left to forward.
 struct Won {
     request: ClaimRequest,
-    attempt: i32,
+    fence: Fence,
     /// The store holds another body for the key's first delivery.
     payload_mismatch: bool,
 }
@@ -432,13 +432,13 @@ impl Proxy {
         // takes no key over for one (`ClaimRequest::reject_mismatch`).
         match claim {
             Claim::Won {
-                attempt,
+                fence,
                 payload_mismatch,
                 ..
             } => {
                 let won = Won {
                     request,
-                    attempt,
+                    fence,
                     payload_mismatch,
                 };
                 self.forward_if_lease_allows(won, claimed_at, trace).await
@@ -499,12 +499,12 @@ impl Proxy {
         claimed_at: Instant,
         trace: &mut Trace,
     ) -> Decision {
-        trace.attempt = Some(won.attempt);
+        trace.attempt = Some(won.fence.attempt);
         if !self.lease_left_too_short(claimed_at) {
             return Decision::Claimed(won);
         }
         let (answer, settle_time) = self
-            .release_unforwarded(&won.request, won.attempt, Unavailable::LeaseTooShort)
+            .release_unforwarded(&won.request, won.fence, Unavailable::LeaseTooShort)
             .await;
         trace.store_time += settle_time;
         Decision::Answer(answer)
@@ -515,11 +515,11 @@ impl Proxy {
     async fn release_unforwarded(
         &self,
         claim: &ClaimRequest,
-        attempt: i32,
+        fence: Fence,
         why: Unavailable,
     ) -> (Answer, Duration) {
         let settle_started = Instant::now();
-        self.settle(claim, attempt, Settlement::RELEASED).await;
+        self.settle(claim, fence, Settlement::RELEASED).await;
         let answer = Answer::Unavailable(why, self.settings.retry_after);
         (answer, settle_started.elapsed())
     }
@@ -555,13 +555,14 @@ impl Proxy {
     ) -> (Answer, Option<Duration>, Duration) {
         let Won {
             request: claim,
-            attempt,
+            fence,
             payload_mismatch,
         } = won;
+        let attempt = fence.attempt;
         let registered = self.open_claims.register(OpenClaim {
             source: Arc::clone(&claim.source),
             key: claim.key.clone(),
-            attempt,
+            fence,
             // The store keeps the first delivery's hash, which this body's is
             // unless the store said otherwise.
             first_payload_sha256: (!payload_mismatch).then_some(claim.payload_sha256),
@@ -569,7 +570,7 @@ impl Proxy {
         });
         let Some(guard) = registered else {
             let (answer, settle_time) = self
-                .release_unforwarded(&claim, attempt, Unavailable::ShuttingDown)
+                .release_unforwarded(&claim, fence, Unavailable::ShuttingDown)
                 .await;
             return (answer, None, settle_time);
         };
@@ -612,8 +613,8 @@ impl Proxy {
         };
         guard.set_outcome(settlement);
         let settle_started = Instant::now();
-        if !self.settle(&claim, attempt, settlement).await {
-            self.settle_in_background(claim, attempt, settlement, route.retention, guard);
+        if !self.settle(&claim, fence, settlement).await {
+            self.settle_in_background(claim, fence, settlement, route.retention, guard);
         }
         let settle_time = settle_started.elapsed();
         let answer = match result {

@@ -12,7 +12,7 @@ mod sqlite;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::oneshot;
 
@@ -27,8 +27,8 @@ pub use sqlite::SqliteStore;
 pub enum Claim {
     /// This request owns the key until `settle` or lease expiry.
     Won {
-        /// The attempt number: the fencing token `settle` must present.
-        attempt: i32,
+        /// What `settle` must present to write this attempt's outcome.
+        fence: Fence,
         /// What the key was before this request took it.
         from: WonFrom,
         /// The key's first delivery had another body.
@@ -46,6 +46,22 @@ pub enum Claim {
         /// This delivery's body differs from the first one's.
         payload_mismatch: bool,
     },
+}
+
+/// A won claim's fencing token: the attempt number (`attempts`, shown to the
+/// upstream as `X-Dedupe-Attempt`) and the claim's time (`claimed_at`). A
+/// settle writes only a row that still holds both. The attempt alone would
+/// not do: it starts again at 1 when a key is deleted (`keys forget`,
+/// `prune`) and claimed anew, and the outcome of an attempt stalled past its
+/// lease (a paused process, say) would then land on the new owner's row.
+/// Two claims of one key are a lease apart, or one of them was forgotten
+/// with `--force` in between, so their times differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    /// The attempt number, 1 for a key's first claim.
+    pub attempt: i32,
+    /// When the attempt claimed the key, by the store's clock, as stored.
+    pub claimed_at: SystemTime,
 }
 
 /// How a won claim came about (the `result` label of `dedupe_claims_total`).
@@ -187,13 +203,13 @@ pub trait Backend: Send + Sync + 'static {
     /// key. Once queued it is decided whether or not anyone still waits for
     /// the answer.
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError>;
-    /// Writes the outcome only if `attempt` still owns the key (fencing).
-    /// Returns whether it was written.
+    /// Writes the outcome only if the attempt `fence` names still owns the
+    /// key. Returns whether it was written.
     fn settle(
         &self,
         source: &str,
         key: &str,
-        attempt: i32,
+        fence: Fence,
         settlement: Settlement,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
     /// The keys matching `filter`, newest first delivery first.
@@ -336,8 +352,8 @@ impl Store {
     }
 
     async fn release_if_won(self, pending: PendingClaim, source: Arc<str>, key: String) {
-        let attempt = match pending.await {
-            Ok(Ok(Claim::Won { attempt, .. })) => attempt,
+        let fence = match pending.await {
+            Ok(Ok(Claim::Won { fence, .. })) => fence,
             Ok(Err(error)) if error.outcome_unknown() => {
                 tracing::warn!(
                     route = %source, key = key.as_str(), %error,
@@ -348,15 +364,15 @@ impl Store {
             _ => return,
         };
         match self
-            .settle(&source, &key, attempt, Settlement::RELEASED)
+            .settle(&source, &key, fence, Settlement::RELEASED)
             .await
         {
             Ok(_) => tracing::warn!(
-                route = %source, key = key.as_str(), attempt,
+                route = %source, key = key.as_str(), attempt = fence.attempt,
                 "a claim answered as timed out won later; released it for the sender's retry"
             ),
             Err(error) => tracing::warn!(
-                route = %source, key = key.as_str(), attempt, %error,
+                route = %source, key = key.as_str(), attempt = fence.attempt, %error,
                 "a claim answered as timed out won later and cannot be released; the key waits for its lease to expire"
             ),
         }
@@ -367,10 +383,10 @@ impl Store {
         &self,
         source: &str,
         key: &str,
-        attempt: i32,
+        fence: Fence,
         settlement: Settlement,
     ) -> Result<bool, StoreError> {
-        dispatch!(self, backend => backend.settle(source, key, attempt, settlement))
+        dispatch!(self, backend => backend.settle(source, key, fence, settlement))
     }
 
     /// See [`Backend::list`].

@@ -48,7 +48,7 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
                 }
                 Forget::Missing => return Err(missing(config, &source, &key)),
                 Forget::InFlight { lease_expires_at } => bail!(
-                    "key `{key}` of source `{source}` is processing, leased until {}: its delivery may still be at the application, and forgotten now, the next delivery would reach it beside that one and the first's outcome could be recorded as the next one's. Wait for the lease to run out, or pass --force",
+                    "key `{key}` of source `{source}` is processing, leased until {}: its delivery may still be at the application, and forgotten now, the next delivery would reach the application beside that one. Wait for the lease to run out, or pass --force",
                     time(lease_expires_at)
                 ),
             }

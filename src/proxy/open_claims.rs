@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::settle::SETTLE_RETRY_MAX_DELAY;
-use crate::store::{Settlement, Store};
+use crate::store::{Fence, Settlement, Store};
 
 /// One won, unsettled claim.
 #[derive(Debug, Clone)]
@@ -25,7 +25,7 @@ pub struct OpenClaim {
     /// The key.
     pub key: String,
     /// The fencing token.
-    pub attempt: i32,
+    pub fence: Fence,
     /// The SHA-256 of the key's first delivery, when this process knows it.
     pub first_payload_sha256: Option<[u8; 32]>,
     /// The outcome, once the upstream has answered.
@@ -194,7 +194,7 @@ impl OpenClaims {
             for claim in pending {
                 let settlement = claim.outcome.unwrap_or(Settlement::RELEASED);
                 match store
-                    .settle(&claim.source, &claim.key, claim.attempt, settlement)
+                    .settle(&claim.source, &claim.key, claim.fence, settlement)
                     .await
                 {
                     // The request's own line is never logged when its sender's
@@ -204,7 +204,7 @@ impl OpenClaims {
                         tracing::warn!(
                             route = &*claim.source,
                             key = claim.key.as_str(),
-                            attempt = claim.attempt,
+                            attempt = claim.fence.attempt,
                             "released at shutdown before the upstream answered: the sender gets no answer, and its retry is forwarded again"
                         );
                     }
@@ -213,7 +213,7 @@ impl OpenClaims {
                         tracing::info!(
                             route = &*claim.source,
                             key = claim.key.as_str(),
-                            attempt = claim.attempt,
+                            attempt = claim.fence.attempt,
                             status = settlement.status.as_str(),
                             upstream_status = settlement.response_status,
                             "outcome written at shutdown"
@@ -229,7 +229,7 @@ impl OpenClaims {
                     tracing::error!(
                         route = &*claim.source,
                         key = claim.key.as_str(),
-                        attempt = claim.attempt,
+                        attempt = claim.fence.attempt,
                         %error,
                         "could not settle the claim by the end of the grace period; it is reclaimable when its lease expires"
                     );
@@ -281,7 +281,10 @@ mod tests {
         OpenClaim {
             source: Arc::from("orders"),
             key: key.into(),
-            attempt: 1,
+            fence: Fence {
+                attempt: 1,
+                claimed_at: std::time::UNIX_EPOCH,
+            },
             first_payload_sha256: Some(FIRST),
             outcome: None,
         }

@@ -152,7 +152,10 @@ mod tests {
         let age = Duration::ZERO;
         let payload_mismatch = false;
         let wins = [WonFrom::New, WonFrom::Failed, WonFrom::ExpiredLease].map(|from| Claim::Won {
-            attempt: 1,
+            fence: crate::store::Fence {
+                attempt: 1,
+                claimed_at: std::time::UNIX_EPOCH,
+            },
             from,
             payload_mismatch,
         });

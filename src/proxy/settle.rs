@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::Proxy;
 use super::open_claims::ClaimGuard;
-use crate::store::{ClaimRequest, Settlement};
+use crate::store::{ClaimRequest, Fence, Settlement};
 
 /// The longest pause between retries of a settle, in the background and at
 /// shutdown.
@@ -19,15 +19,16 @@ impl Proxy {
     pub(super) async fn settle(
         &self,
         claim: &ClaimRequest,
-        attempt: i32,
+        fence: Fence,
         settlement: Settlement,
     ) -> bool {
+        let attempt = fence.attempt;
         let written = self
             .metrics
             .time_store(
                 "settle",
                 self.store
-                    .settle(&claim.source, &claim.key, attempt, settlement),
+                    .settle(&claim.source, &claim.key, fence, settlement),
             )
             .await;
         match written {
@@ -37,7 +38,7 @@ impl Proxy {
                     route = &*claim.source,
                     key = claim.key.as_str(),
                     attempt,
-                    "claim no longer held by this attempt (released with `keys release`, taken over after its lease expired, or deleted: `keys forget --force`, or the table emptied); outcome not recorded"
+                    "claim no longer held by this attempt (released with `keys release`, taken over after its lease expired, or deleted with `keys forget` or `prune`); outcome not recorded"
                 );
                 true
             }
@@ -57,11 +58,12 @@ impl Proxy {
     pub(super) fn settle_in_background(
         &self,
         claim: ClaimRequest,
-        attempt: i32,
+        fence: Fence,
         settlement: Settlement,
         retention: Duration,
         guard: ClaimGuard,
     ) {
+        let attempt = fence.attempt;
         let give_up_at = Instant::now() + retention.min(SETTLE_RETRY_HORIZON);
         let store = self.store.clone();
         let metrics = self.metrics.clone();
@@ -69,7 +71,7 @@ impl Proxy {
             let mut delay = Duration::from_millis(100);
             while Instant::now() + delay < give_up_at {
                 tokio::time::sleep(delay).await;
-                let write = store.settle(&claim.source, &claim.key, attempt, settlement);
+                let write = store.settle(&claim.source, &claim.key, fence, settlement);
                 match metrics.time_store("settle", write).await {
                     Ok(true) => {
                         tracing::info!(
@@ -88,7 +90,7 @@ impl Proxy {
                             route = &*claim.source,
                             key = claim.key.as_str(),
                             attempt,
-                            "settle in the background found the claim no longer processing under this attempt: written by an earlier try, released with `keys release`, or taken over after its lease expired"
+                            "settle in the background found the claim no longer processing under this attempt: written by an earlier try, released with `keys release`, taken over after its lease expired, or deleted"
                         );
                         drop(guard);
                         return;

@@ -23,8 +23,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::{
-    Backend, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch, PruneGroup,
-    Release, Settlement, StoreError,
+    Backend, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
+    PruneGroup, Release, Settlement, StoreError,
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
@@ -425,13 +425,13 @@ impl Backend for PostgresStore {
         &self,
         source: &str,
         key: &str,
-        attempt: i32,
+        fence: Fence,
         settlement: Settlement,
     ) -> Result<bool, StoreError> {
         let request = SettleRequest {
             source: source.to_owned(),
             key: key.to_owned(),
-            attempt,
+            fence,
             settlement,
         };
         self.batches().settles.call(request).await

@@ -13,8 +13,8 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use super::{
-    Backend, COLUMNS, Claim, ClaimRequest, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
-    PruneGroup, Release, Settlement, StoreError, WonFrom, sql_identifier,
+    Backend, COLUMNS, Claim, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, PendingClaim,
+    PruneBatch, PruneGroup, Release, Settlement, StoreError, WonFrom, sql_identifier,
 };
 use crate::config::StoreConfig;
 
@@ -96,14 +96,14 @@ impl Statements {
                          OR payload_sha256 = excluded.payload_sha256)
                  RETURNING attempts"
             ),
-            // Fenced as PostgreSQL's is: a `done` may also land on its own
-            // attempt's release.
+            // Fenced as PostgreSQL's is (see `Fence`): a `done` may also
+            // land on its own attempt's release.
             settle: format!(
                 "UPDATE {table}
-                    SET status = ?4, response_status = ?5, completed_at = ?6, lease_expires_at = NULL
-                  WHERE source = ?1 AND event_id = ?2 AND attempts = ?3
+                    SET status = ?5, response_status = ?6, completed_at = ?7, lease_expires_at = NULL
+                  WHERE source = ?1 AND event_id = ?2 AND attempts = ?3 AND claimed_at = ?4
                     AND (status = 'processing'
-                         OR (status = 'failed' AND response_status IS NULL AND ?4 = 'done'))"
+                         OR (status = 'failed' AND response_status IS NULL AND ?5 = 'done'))"
             ),
             probe: format!("SELECT {COLUMNS} FROM {table} LIMIT 0"),
         }
@@ -421,11 +421,14 @@ fn writable(connection: &Connection) -> rusqlite::Result<()> {
 }
 
 fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| {
-            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
-        })
+    ms_since_epoch(SystemTime::now())
+}
+
+/// A time as the table stores it.
+fn ms_since_epoch(time: SystemTime) -> i64 {
+    time.duration_since(UNIX_EPOCH).map_or(0, |since| {
+        i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+    })
 }
 
 impl Backend for SqliteStore {
@@ -506,7 +509,7 @@ impl Backend for SqliteStore {
         &self,
         source: &str,
         key: &str,
-        attempt: i32,
+        fence: Fence,
         settlement: Settlement,
     ) -> Result<bool, StoreError> {
         let sql = self.sql.settle.clone();
@@ -515,7 +518,8 @@ impl Backend for SqliteStore {
             let updated = connection.prepare_cached(&sql)?.execute(params![
                 source,
                 key,
-                attempt,
+                fence.attempt,
+                ms_since_epoch(fence.claimed_at),
                 settlement.status.as_str(),
                 settlement.response_status,
                 now_ms()
@@ -563,7 +567,10 @@ fn classify(won: Option<i32>, prior: Option<Prior>, payload_sha256: &[u8; 32], n
         .is_some_and(|stored| stored != payload_sha256);
     match (won, prior) {
         (Some(attempt), prior) => Claim::Won {
-            attempt,
+            fence: Fence {
+                attempt,
+                claimed_at: keys::from_ms(now),
+            },
             from: match prior.as_ref().map(|prior| prior.status.as_str()) {
                 None => WonFrom::New,
                 Some("processing") => WonFrom::ExpiredLease,

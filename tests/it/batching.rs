@@ -7,11 +7,13 @@ use std::time::Duration;
 
 use dedupe_proxy::config::StoreConfig;
 use dedupe_proxy::store::{
-    Claim, ClaimRequest, KeyStatus, SettledStatus, Settlement, Store, StoreError, WonFrom,
+    Claim, ClaimRequest, Fence, KeyStatus, SettledStatus, Settlement, Store, StoreError, WonFrom,
 };
 
 use crate::on_both_stores;
-use crate::support::{Backend, Relay, TestStore, until_waiting_on_locks};
+use crate::support::{
+    Backend, Relay, TestStore, settle_attempt, until_waiting_on_locks, won_attempt,
+};
 
 on_both_stores!(
     keys_repeated_within_a_batch_are_each_won_exactly_once,
@@ -43,6 +45,18 @@ async fn open(url: &str) -> Store {
 }
 
 /// Claims every key concurrently, so they coalesce into shared batches.
+/// Claims new keys at once, and returns each one's fence.
+async fn first_fences(store: &Store, keys: &[String]) -> HashMap<String, Fence> {
+    let mut fences = HashMap::new();
+    for (key, claim) in claim_all(store, keys).await {
+        match claim {
+            Ok(Claim::Won { fence, .. }) if fence.attempt == 1 => fences.insert(key, fence),
+            other => panic!("{key}: {other:?}"),
+        };
+    }
+    fences
+}
+
 async fn claim_all(store: &Store, keys: &[String]) -> Vec<(String, Result<Claim, String>)> {
     let calls: Vec<_> = keys
         .iter()
@@ -68,7 +82,10 @@ async fn keys_repeated_within_a_batch_are_each_won_exactly_once(backend: Backend
     let mut wins: HashMap<String, usize> = HashMap::new();
     for (key, claim) in claim_all(&store, &keys).await {
         match claim.unwrap() {
-            Claim::Won { attempt: 1, .. } => *wins.entry(key).or_default() += 1,
+            Claim::Won {
+                fence: Fence { attempt: 1, .. },
+                ..
+            } => *wins.entry(key).or_default() += 1,
             Claim::InFlight {
                 payload_mismatch: false,
             } => {}
@@ -91,14 +108,16 @@ async fn one_batch_decides_each_key_by_its_own_row(backend: Backend) {
     };
     for key in named("done").chain(named("failed")).chain(named("live")) {
         let claim = store.claim(&request(&key)).await.unwrap();
-        assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{key}");
+        assert!(won_attempt(&claim) == Some(1), "{key}");
         let outcome = match &key[..4] {
             "done" => done,
             "fail" => Settlement::RELEASED,
             _ => continue,
         };
         assert!(
-            store.settle("src", &key, 1, outcome).await.unwrap(),
+            settle_attempt(&store, "src", &key, 1, outcome)
+                .await
+                .unwrap(),
             "{key}"
         );
     }
@@ -108,7 +127,7 @@ async fn one_batch_decides_each_key_by_its_own_row(backend: Backend) {
             ..request(&key)
         };
         let claim = store.claim(&lapsing).await.unwrap();
-        assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{key}");
+        assert!(won_attempt(&claim) == Some(1), "{key}");
     }
     let mut rows_before = HashMap::new();
     for key in named("done").chain(named("live")) {
@@ -125,7 +144,7 @@ async fn one_batch_decides_each_key_by_its_own_row(backend: Backend) {
             "new" => matches!(
                 claim,
                 Claim::Won {
-                    attempt: 1,
+                    fence: Fence { attempt: 1, .. },
                     from: WonFrom::New,
                     ..
                 }
@@ -140,7 +159,7 @@ async fn one_batch_decides_each_key_by_its_own_row(backend: Backend) {
             "fai" => matches!(
                 claim,
                 Claim::Won {
-                    attempt: 2,
+                    fence: Fence { attempt: 2, .. },
                     from: WonFrom::Failed,
                     ..
                 }
@@ -148,7 +167,7 @@ async fn one_batch_decides_each_key_by_its_own_row(backend: Backend) {
             "exp" => matches!(
                 claim,
                 Claim::Won {
-                    attempt: 2,
+                    fence: Fence { attempt: 2, .. },
                     from: WonFrom::ExpiredLease,
                     ..
                 }
@@ -186,31 +205,40 @@ async fn concurrent_settles_are_each_fenced_by_their_own_attempt(backend: Backen
     let test_store = TestStore::new(backend).await;
     let store = open(&test_store.url).await;
     let keys: Vec<String> = (0..100).map(|i| format!("s{i}")).collect();
-    for (_, claim) in claim_all(&store, &keys).await {
-        assert!(matches!(claim.unwrap(), Claim::Won { attempt: 1, .. }));
-    }
-    // Half the settles carry the owner's attempt, half a stale one.
+    let fences = first_fences(&store, &keys).await;
+    // Half the settles carry the owner's fence; the others another attempt
+    // number, or another claim time (a claim of the key before it was
+    // deleted and claimed anew).
     let settles: Vec<_> = keys
         .iter()
         .enumerate()
         .map(|(i, key)| {
             let (store, key) = (store.clone(), key.clone());
-            let attempt = if i % 2 == 0 { 1 } else { 2 };
+            let owner = fences[&key];
+            let fence = match i % 4 {
+                0 | 2 => owner,
+                1 => Fence {
+                    attempt: 2,
+                    ..owner
+                },
+                _ => Fence {
+                    claimed_at: owner.claimed_at - Duration::from_millis(1),
+                    ..owner
+                },
+            };
             tokio::spawn(async move {
                 let done = Settlement {
                     status: SettledStatus::Done,
                     response_status: Some(200),
                 };
-                (
-                    attempt,
-                    store.settle("src", &key, attempt, done).await.unwrap(),
-                )
+                let written = store.settle("src", &key, fence, done).await.unwrap();
+                (fence == owner, written)
             })
         })
         .collect();
     for settle in settles {
-        let (attempt, written) = settle.await.unwrap();
-        assert_eq!(written, attempt == 1, "only the owning attempt settles");
+        let (owner, written) = settle.await.unwrap();
+        assert_eq!(written, owner, "only the owning attempt settles");
     }
     for (index, (_, claim)) in claim_all(&store, &keys).await.into_iter().enumerate() {
         let claim = claim.unwrap();
@@ -229,16 +257,14 @@ async fn a_done_queued_beside_its_own_attempts_release_wins_either_way(backend: 
     let test_store = TestStore::new(backend).await;
     let store = open(&test_store.url).await;
     let keys: Vec<String> = (0..100).map(|i| format!("r{i}")).collect();
-    for (_, claim) in claim_all(&store, &keys).await {
-        assert!(matches!(claim.unwrap(), Claim::Won { attempt: 1, .. }));
-    }
+    let fences = first_fences(&store, &keys).await;
     let done = Settlement {
         status: SettledStatus::Done,
         response_status: Some(200),
     };
     let settle = |key: &String, settlement: Settlement| {
-        let (store, key) = (store.clone(), key.clone());
-        tokio::spawn(async move { store.settle("src", &key, 1, settlement).await.unwrap() })
+        let (store, key, fence) = (store.clone(), key.clone(), fences[key]);
+        tokio::spawn(async move { store.settle("src", &key, fence, settlement).await.unwrap() })
     };
     let settles: Vec<_> = keys
         .iter()
@@ -275,14 +301,9 @@ async fn replicas_racing_for_failed_keys_take_each_back_exactly_once(backend: Ba
         open(&test_store.url).await,
     ];
     let keys: Vec<String> = (0..30).map(|i| format!("f{i}")).collect();
-    for (key, claim) in claim_all(&replicas[0], &keys).await {
-        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
-        assert!(
-            replicas[0]
-                .settle("src", &key, 1, Settlement::RELEASED)
-                .await
-                .unwrap()
-        );
+    for (key, fence) in first_fences(&replicas[0], &keys).await {
+        let released = replicas[0].settle("src", &key, fence, Settlement::RELEASED);
+        assert!(released.await.unwrap(), "{key}");
     }
     // Every replica asks for every key twice, in its own (rotated) order.
     let races: Vec<_> = replicas
@@ -299,7 +320,10 @@ async fn replicas_racing_for_failed_keys_take_each_back_exactly_once(backend: Ba
     for race in races {
         for (key, claim) in race.await.unwrap() {
             match claim {
-                Ok(Claim::Won { attempt, .. }) => {
+                Ok(Claim::Won {
+                    fence: Fence { attempt, .. },
+                    ..
+                }) => {
                     assert_eq!(attempt, 2, "{key}");
                     *winners.entry(key).or_default() += 1;
                 }
@@ -320,10 +344,9 @@ async fn in_one_batch_only_the_first_body_takes_failed_keys_back_where_others_ar
     let test_store = TestStore::new(backend).await;
     let store = open(&test_store.url).await;
     let keys: Vec<String> = (0..40).map(|i| format!("m{i}")).collect();
-    for (key, claim) in claim_all(&store, &keys).await {
-        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
-        let released = store.settle("src", &key, 1, Settlement::RELEASED).await;
-        assert!(released.unwrap(), "{key}");
+    for (key, fence) in first_fences(&store, &keys).await {
+        let released = store.settle("src", &key, fence, Settlement::RELEASED);
+        assert!(released.await.unwrap(), "{key}");
     }
     let calls: Vec<_> = keys
         .iter()
@@ -348,7 +371,7 @@ async fn in_one_batch_only_the_first_body_takes_failed_keys_back_where_others_ar
             _ => (false, true, 1),
         };
         let attempts = store.show("src", &keys[i]).await.unwrap().unwrap().attempts;
-        let won = matches!(claim, Claim::Won { attempt: 2, .. });
+        let won = won_attempt(&claim) == Some(2);
         assert_eq!(
             (won, claim.payload_mismatch(), attempts),
             expected,
@@ -366,13 +389,16 @@ async fn a_duplicate_claim_takes_no_row_lock() {
     let store = open(&test_store.url).await;
     assert!(matches!(
         store.claim(&request("d1")).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
     let done = Settlement {
         status: SettledStatus::Done,
         response_status: Some(200),
     };
-    assert!(store.settle("src", "d1", 1, done).await.unwrap());
+    assert!(settle_attempt(&store, "src", "d1", 1, done).await.unwrap());
 
     let mut holder = test_store.postgres().await;
     let lock = lock_key(&mut holder, "d1").await;
@@ -383,7 +409,13 @@ async fn a_duplicate_claim_takes_no_row_lock() {
         match key.as_str() {
             "d1" => assert!(matches!(claim, Ok(Claim::Done { .. })), "{claim:?}"),
             _ => assert!(
-                matches!(claim, Ok(Claim::Won { attempt: 1, .. })),
+                matches!(
+                    claim,
+                    Ok(Claim::Won {
+                        fence: Fence { attempt: 1, .. },
+                        ..
+                    })
+                ),
                 "{claim:?}"
             ),
         }
@@ -403,7 +435,13 @@ async fn a_key_the_database_refuses_fails_alone() {
             assert!(claim.is_err(), "the refused key fails");
         } else {
             assert!(
-                matches!(claim, Ok(Claim::Won { attempt: 1, .. })),
+                matches!(
+                    claim,
+                    Ok(Claim::Won {
+                        fence: Fence { attempt: 1, .. },
+                        ..
+                    })
+                ),
                 "{key}: {claim:?}"
             );
         }
@@ -422,11 +460,13 @@ async fn a_take_back_the_database_refuses_fails_only_its_own_key() {
     let store = open(&impatient).await;
     assert!(matches!(
         store.claim(&request("failed")).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
     assert!(
-        store
-            .settle("src", "failed", 1, Settlement::RELEASED)
+        settle_attempt(&store, "src", "failed", 1, Settlement::RELEASED)
             .await
             .unwrap()
     );
@@ -444,7 +484,7 @@ async fn a_take_back_the_database_refuses_fails_only_its_own_key() {
                 matches!(
                     claim,
                     Ok(Claim::Won {
-                        attempt: 1,
+                        fence: Fence { attempt: 1, .. },
                         from: WonFrom::New,
                         ..
                     })
@@ -466,7 +506,7 @@ async fn a_take_back_the_database_refuses_fails_only_its_own_key() {
     assert!(matches!(
         store.claim(&request("failed")).await.unwrap(),
         Claim::Won {
-            attempt: 2,
+            fence: Fence { attempt: 2, .. },
             from: WonFrom::Failed,
             ..
         }
@@ -527,7 +567,7 @@ async fn the_store_talks_to_postgres_from_its_home_runtime() {
     store.set_home(home.runtime.clone());
     store.migrate().await.unwrap();
     let claim = store.claim(&request("k1")).await.unwrap();
-    assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{claim:?}");
+    assert!(won_attempt(&claim) == Some(1), "{claim:?}");
     assert!(relay.open_connections() > 0);
     home.stop().await;
     relay.wait_until_all_closed().await;
@@ -559,7 +599,11 @@ async fn a_store_outage_mid_batch_never_yields_two_owners() {
 
     let mut owners: HashMap<String, i32> = HashMap::new();
     for (key, claim) in &results {
-        if let Ok(Claim::Won { attempt, .. }) = claim {
+        if let Ok(Claim::Won {
+            fence: Fence { attempt, .. },
+            ..
+        }) = claim
+        {
             assert!(
                 owners.insert(key.clone(), *attempt).is_none(),
                 "{key} won twice"
@@ -654,8 +698,13 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     };
     for (key, outcome) in [("done", done), ("failed", Settlement::RELEASED)] {
         let claim = store.claim(&request(key)).await.unwrap();
-        assert!(matches!(claim, Claim::Won { attempt: 1, .. }), "{key}");
-        assert!(store.settle("src", key, 1, outcome).await.unwrap(), "{key}");
+        assert!(won_attempt(&claim) == Some(1), "{key}");
+        assert!(
+            settle_attempt(&store, "src", key, 1, outcome)
+                .await
+                .unwrap(),
+            "{key}"
+        );
     }
     assert!(
         matches!(
@@ -679,7 +728,7 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     assert!(matches!(
         taking_back.await.unwrap().unwrap(),
         Claim::Won {
-            attempt: 2,
+            fence: Fence { attempt: 2, .. },
             from: WonFrom::Failed,
             ..
         }
@@ -727,7 +776,10 @@ async fn a_claim_that_times_out_and_then_wins_is_released() {
     assert!(
         matches!(
             store.claim(&request("late")).await.unwrap(),
-            Claim::Won { attempt: 2, .. }
+            Claim::Won {
+                fence: Fence { attempt: 2, .. },
+                ..
+            }
         ),
         "the sender's retry takes the key over"
     );
@@ -739,7 +791,7 @@ async fn claim_a_free_key(store: &Store, waiting: &str) {
     let free = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("free")))
         .await
         .unwrap_or_else(|_| panic!("a key nobody holds is claimed while {waiting}"));
-    assert!(matches!(free.unwrap(), Claim::Won { attempt: 1, .. }));
+    assert!(won_attempt(&free.unwrap()) == Some(1));
 }
 
 /// Locks the row of `src`/`key` in a transaction left open.
@@ -797,9 +849,10 @@ async fn claim_behind_uncommitted_insert<'a>(
     (insert, claim)
 }
 
-/// What a lock-order test batches: a claim or a settle of one key, answering
-/// whether it took effect.
-type KeyOperation = fn(Store, &'static str) -> futures_util::future::BoxFuture<'static, bool>;
+/// What a lock-order test batches: a claim or a settle of one key (by the
+/// fence of its first claim), answering whether it took effect.
+type KeyOperation =
+    fn(Store, &'static str, Fence) -> futures_util::future::BoxFuture<'static, bool>;
 
 /// A batch locks its rows in key order, whatever order its requests were
 /// queued in: while it waits for the first key, held by another
@@ -810,7 +863,8 @@ type KeyOperation = fn(Store, &'static str) -> futures_util::future::BoxFuture<'
 /// `deadlock_timeout` before it refused one of them.
 async fn a_batch_locks_its_rows_in_key_order(keys_failed: bool, operation: KeyOperation) {
     let test_store = TestStore::new(Backend::Postgres).await;
-    let store = store_with_four_keys(&test_store, keys_failed).await;
+    let (store, fences) = store_with_four_keys(&test_store, keys_failed).await;
+    let operation = move |store, key| operation(store, key, fences[key]);
     let lock = "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id = $1 FOR UPDATE";
     let observer = test_store.postgres().await;
 
@@ -859,25 +913,34 @@ async fn a_batch_locks_its_rows_in_key_order(keys_failed: bool, operation: KeyOp
 
 /// Four keys, `a` to `d`, each claimed once (`processing`, attempt 1), and
 /// released too (`failed`) when `failed` is set.
-async fn store_with_four_keys(test_store: &TestStore, failed: bool) -> Store {
+async fn store_with_four_keys(
+    test_store: &TestStore,
+    failed: bool,
+) -> (Store, HashMap<String, Fence>) {
     let store = open(&test_store.url).await;
     let keys: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
-    for (key, claim) in claim_all(&store, &keys).await {
-        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
-        if failed {
-            let released = store.settle("src", &key, 1, Settlement::RELEASED);
+    let fences = first_fences(&store, &keys).await;
+    if failed {
+        for (key, fence) in &fences {
+            let released = store.settle("src", key, *fence, Settlement::RELEASED);
             assert!(released.await.unwrap());
         }
     }
-    store
+    (store, fences)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_batch_takes_back_failed_keys_in_key_order() {
-    a_batch_locks_its_rows_in_key_order(true, |store, key| {
+    a_batch_locks_its_rows_in_key_order(true, |store, key, _| {
         Box::pin(async move {
             let claim = store.claim(&request(key)).await;
-            matches!(claim, Ok(Claim::Won { attempt: 2, .. }))
+            matches!(
+                claim,
+                Ok(Claim::Won {
+                    fence: Fence { attempt: 2, .. },
+                    ..
+                })
+            )
         })
     })
     .await;
@@ -885,13 +948,13 @@ async fn a_claim_batch_takes_back_failed_keys_in_key_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_batch_writes_its_keys_in_key_order() {
-    a_batch_locks_its_rows_in_key_order(false, |store, key| {
+    a_batch_locks_its_rows_in_key_order(false, |store, key, fence| {
         Box::pin(async move {
             let done = Settlement {
                 status: SettledStatus::Done,
                 response_status: Some(200),
             };
-            store.settle("src", key, 1, done).await.unwrap()
+            store.settle("src", key, fence, done).await.unwrap()
         })
     })
     .await;
@@ -917,7 +980,16 @@ async fn a_new_table_is_analyzed_once_it_has_grown() {
     );
     let keys: Vec<String> = (0..1_000).map(|i| format!("g{i}")).collect();
     for (key, claim) in claim_all(&store, &keys).await {
-        assert!(matches!(claim, Ok(Claim::Won { attempt: 1, .. })), "{key}");
+        assert!(
+            matches!(
+                claim,
+                Ok(Claim::Won {
+                    fence: Fence { attempt: 1, .. },
+                    ..
+                })
+            ),
+            "{key}"
+        );
     }
     // The ANALYZE runs in the background; bounded so a missing one fails.
     for _ in 0..3_000 {

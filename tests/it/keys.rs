@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 use crate::cli::{Output, run};
 use crate::on_both_stores;
 use crate::rows;
-use crate::support::{Backend, TestStore};
+use crate::support::{Backend, TestStore, settle_attempt};
 
 on_both_stores!(
     the_store_commands_run_without_the_webhook_secrets,
@@ -62,7 +62,11 @@ async fn seeded(backend: Backend) -> (TestStore, String) {
                 status,
                 response_status: Some(code),
             };
-            assert!(store.settle(source, key, 1, settlement).await.unwrap());
+            assert!(
+                settle_attempt(&store, source, key, 1, settlement)
+                    .await
+                    .unwrap()
+            );
         }
         rows::age(&db, source, key, HOUR * ago).await;
     }

@@ -8,12 +8,12 @@ use std::time::Duration;
 use dedupe_proxy::Config;
 use dedupe_proxy::metrics::Metrics;
 use dedupe_proxy::prune::{PrunePlan, Pruner, Round};
-use dedupe_proxy::store::{Claim, ClaimRequest, SettledStatus, Settlement, Store};
+use dedupe_proxy::store::{Claim, ClaimRequest, Fence, SettledStatus, Settlement, Store};
 
 use crate::exposition::Exposition;
 use crate::on_both_stores;
 use crate::rows;
-use crate::support::{Backend, TestApp, TestStore, Upstream};
+use crate::support::{Backend, TestApp, TestStore, Upstream, settle_attempt};
 
 on_both_stores!(
     keys_past_their_routes_retention_are_pruned_and_younger_ones_kept,
@@ -65,13 +65,20 @@ fn claim(source: &str, key: &str, lease: Duration) -> ClaimRequest {
 async fn done(test_store: &TestStore, store: &Store, source: &str, key: &str, ago: Duration) {
     assert!(matches!(
         store.claim(&claim(source, key, HOUR)).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
     let settlement = Settlement {
         status: SettledStatus::Done,
         response_status: Some(200),
     };
-    assert!(store.settle(source, key, 1, settlement).await.unwrap());
+    assert!(
+        settle_attempt(store, source, key, 1, settlement)
+            .await
+            .unwrap()
+    );
     rows::age(test_store, source, key, ago).await;
 }
 
@@ -121,8 +128,7 @@ async fn a_live_processing_key_is_never_pruned_but_an_abandoned_one_is(backend: 
     }
     rows::expire_lease(&db, "plain", "abandoned").await;
     store.claim(&claim("plain", "failed", HOUR)).await.unwrap();
-    store
-        .settle("plain", "failed", 1, Settlement::RELEASED)
+    settle_attempt(&store, "plain", "failed", 1, Settlement::RELEASED)
         .await
         .unwrap();
     rows::age(&db, "plain", "failed", 2 * DAY).await;
@@ -203,7 +209,10 @@ async fn claims_keep_working_while_pruning_runs(backend: Backend) {
     for task in claims {
         let (key, result) = task.await.unwrap();
         match result.unwrap_or_else(|error| panic!("claim of {key} failed: {error}")) {
-            Claim::Won { attempt: 1, .. } => expected.push(format!("plain/{key}")),
+            Claim::Won {
+                fence: Fence { attempt: 1, .. },
+                ..
+            } => expected.push(format!("plain/{key}")),
             Claim::Done { .. } if key.starts_with("old_") => {}
             other => panic!("{key}: unexpected {other:?}"),
         }

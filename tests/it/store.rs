@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use dedupe_proxy::config::StoreConfig;
 use dedupe_proxy::store::{
-    Claim, ClaimRequest, Forget, KeyStatus, Release, SettledStatus, Settlement, Store, WonFrom,
+    Claim, ClaimRequest, Fence, Forget, KeyStatus, PruneBatch, PruneGroup, Release, SettledStatus,
+    Settlement, Sources, Store, WonFrom,
 };
 
 use crate::on_both_stores;
-use crate::support::{Backend, TestStore};
+use crate::support::{Backend, TestStore, settle_attempt};
 
 on_both_stores!(
     a_new_key_is_won_then_in_flight_then_done,
@@ -25,6 +26,7 @@ on_both_stores!(
     a_table_named_by_a_reserved_word_works,
     the_longest_key_and_route_name_allowed_are_claimed_and_settled,
     a_key_in_flight_is_forgotten_only_by_force_until_its_lease_runs_out,
+    a_key_deleted_and_claimed_anew_fences_out_its_old_owner,
 );
 
 async fn open(backend: Backend) -> (TestStore, Store) {
@@ -58,14 +60,14 @@ const MINUTE: Duration = Duration::from_secs(60);
 async fn a_new_key_is_won_then_in_flight_then_done(backend: Backend) {
     let (_db, store) = open(backend).await;
     let claim = request("k1", b"body", MINUTE);
-    assert_eq!(
+    assert!(matches!(
         store.claim(&claim).await.unwrap(),
         Claim::Won {
-            attempt: 1,
+            fence: Fence { attempt: 1, .. },
             from: WonFrom::New,
             payload_mismatch: false
         }
-    );
+    ));
     assert_eq!(
         store.claim(&claim).await.unwrap(),
         Claim::InFlight {
@@ -73,12 +75,12 @@ async fn a_new_key_is_won_then_in_flight_then_done(backend: Backend) {
         }
     );
     assert!(
-        !store.settle("src", "k1", 2, DONE).await.unwrap(),
+        !settle_attempt(&store, "src", "k1", 2, DONE).await.unwrap(),
         "a wrong attempt is fenced out"
     );
-    assert!(store.settle("src", "k1", 1, DONE).await.unwrap());
+    assert!(settle_attempt(&store, "src", "k1", 1, DONE).await.unwrap());
     assert!(
-        !store.settle("src", "k1", 1, DONE).await.unwrap(),
+        !settle_attempt(&store, "src", "k1", 1, DONE).await.unwrap(),
         "settled twice"
     );
     assert!(matches!(
@@ -95,7 +97,10 @@ async fn a_new_key_is_won_then_in_flight_then_done(backend: Backend) {
     };
     assert!(matches!(
         store.claim(&other_source).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
 }
 
@@ -112,12 +117,14 @@ async fn another_body_never_takes_a_key_over_where_it_is_rejected(backend: Backe
         let first = rejecting(key, b"first", lease);
         assert!(matches!(
             store.claim(&first).await.unwrap(),
-            Claim::Won { attempt: 1, .. }
+            Claim::Won {
+                fence: Fence { attempt: 1, .. },
+                ..
+            }
         ));
         if lease == MINUTE {
             assert!(
-                store
-                    .settle("src", key, 1, Settlement::RELEASED)
+                settle_attempt(&store, "src", key, 1, Settlement::RELEASED)
                     .await
                     .unwrap()
             );
@@ -142,7 +149,7 @@ async fn another_body_never_takes_a_key_over_where_it_is_rejected(backend: Backe
             matches!(
                 again,
                 Claim::Won {
-                    attempt: 2,
+                    fence: Fence { attempt: 2, .. },
                     payload_mismatch: false,
                     ..
                 }
@@ -150,8 +157,7 @@ async fn another_body_never_takes_a_key_over_where_it_is_rejected(backend: Backe
             "{key}: {again:?}"
         );
         assert!(
-            store
-                .settle("src", key, 2, Settlement::RELEASED)
+            settle_attempt(&store, "src", key, 2, Settlement::RELEASED)
                 .await
                 .unwrap()
         );
@@ -161,7 +167,7 @@ async fn another_body_never_takes_a_key_over_where_it_is_rejected(backend: Backe
             matches!(
                 warned,
                 Claim::Won {
-                    attempt: 3,
+                    fence: Fence { attempt: 3, .. },
                     payload_mismatch: true,
                     ..
                 }
@@ -176,19 +182,18 @@ async fn a_failed_key_is_won_again_with_the_next_attempt(backend: Backend) {
     let claim = request("k2", b"body", MINUTE);
     store.claim(&claim).await.unwrap();
     assert!(
-        store
-            .settle("src", "k2", 1, Settlement::RELEASED)
+        settle_attempt(&store, "src", "k2", 1, Settlement::RELEASED)
             .await
             .unwrap()
     );
-    assert_eq!(
+    assert!(matches!(
         store.claim(&claim).await.unwrap(),
         Claim::Won {
-            attempt: 2,
+            fence: Fence { attempt: 2, .. },
             from: WonFrom::Failed,
             payload_mismatch: false
         }
-    );
+    ));
     assert_eq!(
         store.claim(&claim).await.unwrap(),
         Claim::InFlight {
@@ -202,7 +207,10 @@ async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced_out(backend:
     let short = request("k3", b"body", Duration::from_millis(50));
     assert!(matches!(
         store.claim(&short).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
     assert_eq!(
         store.claim(&short).await.unwrap(),
@@ -213,19 +221,19 @@ async fn an_expired_lease_is_taken_over_and_the_old_owner_is_fenced_out(backend:
     );
     tokio::time::sleep(Duration::from_millis(120)).await;
     let taken = store.claim(&request("k3", b"body", MINUTE)).await.unwrap();
-    assert_eq!(
+    assert!(matches!(
         taken,
         Claim::Won {
-            attempt: 2,
+            fence: Fence { attempt: 2, .. },
             from: WonFrom::ExpiredLease,
             payload_mismatch: false
         }
-    );
+    ));
     assert!(
-        !store.settle("src", "k3", 1, DONE).await.unwrap(),
+        !settle_attempt(&store, "src", "k3", 1, DONE).await.unwrap(),
         "the expired owner cannot settle"
     );
-    assert!(store.settle("src", "k3", 2, DONE).await.unwrap());
+    assert!(settle_attempt(&store, "src", "k3", 2, DONE).await.unwrap());
 }
 
 async fn only_one_of_many_concurrent_claims_wins(backend: Backend) {
@@ -259,23 +267,22 @@ async fn a_different_body_is_reported_as_a_mismatch(backend: Backend) {
             payload_mismatch: true
         }
     );
-    store
-        .settle("src", "k5", 1, Settlement::RELEASED)
+    settle_attempt(&store, "src", "k5", 1, Settlement::RELEASED)
         .await
         .unwrap();
     // The retry with another body wins, and the stored hash stays the first one's.
-    assert_eq!(
+    assert!(matches!(
         store
             .claim(&request("k5", b"second", MINUTE))
             .await
             .unwrap(),
         Claim::Won {
-            attempt: 2,
+            fence: Fence { attempt: 2, .. },
             from: WonFrom::Failed,
             payload_mismatch: true
         }
-    );
-    store.settle("src", "k5", 2, DONE).await.unwrap();
+    ));
+    settle_attempt(&store, "src", "k5", 2, DONE).await.unwrap();
     assert!(matches!(
         store.claim(&request("k5", b"first", MINUTE)).await.unwrap(),
         Claim::Done {
@@ -305,7 +312,10 @@ async fn a_released_claim_fences_out_its_owner_and_the_next_delivery_wins(backen
     let claim = request("k6", b"body", MINUTE);
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
     assert_eq!(
         store.release("src", "k6").await.unwrap(),
@@ -315,19 +325,19 @@ async fn a_released_claim_fences_out_its_owner_and_the_next_delivery_wins(backen
         store.release("src", "k6").await.unwrap(),
         Release::NotProcessing(KeyStatus::Failed)
     );
-    assert_eq!(
+    assert!(matches!(
         store.claim(&claim).await.unwrap(),
         Claim::Won {
-            attempt: 2,
+            fence: Fence { attempt: 2, .. },
             from: WonFrom::Failed,
             payload_mismatch: false
         }
-    );
+    ));
     assert!(
-        !store.settle("src", "k6", 1, DONE).await.unwrap(),
+        !settle_attempt(&store, "src", "k6", 1, DONE).await.unwrap(),
         "the released owner cannot settle once the key is taken again"
     );
-    assert!(store.settle("src", "k6", 2, DONE).await.unwrap());
+    assert!(settle_attempt(&store, "src", "k6", 2, DONE).await.unwrap());
     assert_eq!(
         store.release("src", "k6").await.unwrap(),
         Release::NotProcessing(KeyStatus::Done)
@@ -352,7 +362,10 @@ async fn a_done_outcome_lands_on_its_own_release_until_a_retry_takes_the_key(bac
         let claim = request(key, b"body", MINUTE);
         assert!(matches!(
             store.claim(&claim).await.unwrap(),
-            Claim::Won { attempt: 1, .. }
+            Claim::Won {
+                fence: Fence { attempt: 1, .. },
+                ..
+            }
         ));
     }
     assert_eq!(
@@ -360,21 +373,27 @@ async fn a_done_outcome_lands_on_its_own_release_until_a_retry_takes_the_key(bac
         Release::Released { attempt: 1 }
     );
     assert!(
-        !store
-            .settle("src", "released", 1, Settlement::RELEASED)
+        !settle_attempt(&store, "src", "released", 1, Settlement::RELEASED)
             .await
             .unwrap(),
         "a failure changes nothing"
     );
     assert!(
-        !store
-            .settle("src", "released", 1, failed_500)
+        !settle_attempt(&store, "src", "released", 1, failed_500)
             .await
             .unwrap(),
         "a failure changes nothing"
     );
-    assert!(!store.settle("src", "released", 2, DONE).await.unwrap());
-    assert!(store.settle("src", "released", 1, DONE).await.unwrap());
+    assert!(
+        !settle_attempt(&store, "src", "released", 2, DONE)
+            .await
+            .unwrap()
+    );
+    assert!(
+        settle_attempt(&store, "src", "released", 1, DONE)
+            .await
+            .unwrap()
+    );
     let row = store.show("src", "released").await.unwrap().unwrap();
     assert_eq!(
         (row.status, row.attempts, row.response_status),
@@ -391,12 +410,15 @@ async fn a_done_outcome_lands_on_its_own_release_until_a_retry_takes_the_key(bac
     // A failure the upstream answered is that attempt's own outcome: a
     // `done` for the same attempt cannot follow it.
     assert!(
-        store
-            .settle("src", "answered", 1, failed_500)
+        settle_attempt(&store, "src", "answered", 1, failed_500)
             .await
             .unwrap()
     );
-    assert!(!store.settle("src", "answered", 1, DONE).await.unwrap());
+    assert!(
+        !settle_attempt(&store, "src", "answered", 1, DONE)
+            .await
+            .unwrap()
+    );
     let row = store.show("src", "answered").await.unwrap().unwrap();
     assert_eq!(
         (row.status, row.response_status),
@@ -422,9 +444,16 @@ async fn the_longest_key_and_route_name_allowed_are_claimed_and_settled(backend:
     };
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
-    assert!(store.settle(&source, &key, 1, DONE).await.unwrap());
+    assert!(
+        settle_attempt(&store, &source, &key, 1, DONE)
+            .await
+            .unwrap()
+    );
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
         Claim::Done { .. }
@@ -489,7 +518,7 @@ async fn show_returns_every_column_and_forget_deletes(backend: Backend) {
     );
     assert_eq!(processing.completed_at, None);
 
-    store.settle("src", "k7", 1, DONE).await.unwrap();
+    settle_attempt(&store, "src", "k7", 1, DONE).await.unwrap();
     let done = store.show("src", "k7").await.unwrap().expect("stored");
     assert_eq!((done.source.as_str(), done.key.as_str()), ("src", "k7"));
     assert_eq!((done.status, done.attempts), (KeyStatus::Done, 1));
@@ -510,7 +539,7 @@ async fn show_returns_every_column_and_forget_deletes(backend: Backend) {
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
         Claim::Won {
-            attempt: 1,
+            fence: Fence { attempt: 1, .. },
             from: WonFrom::New,
             ..
         }
@@ -533,9 +562,12 @@ async fn a_table_named_by_a_reserved_word_works(backend: Backend) {
     let claim = request("k9", b"body", MINUTE);
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
-        Claim::Won { attempt: 1, .. }
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
     ));
-    store.settle("src", "k9", 1, DONE).await.unwrap();
+    settle_attempt(&store, "src", "k9", 1, DONE).await.unwrap();
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
         Claim::Done { .. }
@@ -661,4 +693,68 @@ async fn a_role_that_may_only_use_rows_starts_on_a_migrated_table_and_is_told_wh
         ))
         .await
         .expect("drop the role");
+}
+
+/// `keys forget` and `prune` delete a `processing` key once its lease has run
+/// out, and its next claim is attempt 1 again. The old owner, stalled past its
+/// lease (a paused process), must not settle the new owner's claim, though
+/// their attempt numbers are the same: the claim's time tells them apart.
+async fn a_key_deleted_and_claimed_anew_fences_out_its_old_owner(backend: Backend) {
+    let (_db, store) = open(backend).await;
+    let won_fence = |claim: Claim| match claim {
+        Claim::Won { fence, .. } => fence,
+        other => panic!("not won: {other:?}"),
+    };
+    for (key, deletion) in [("pruned", "prune"), ("forgotten", "forget")] {
+        let stalled = won_fence(
+            store
+                .claim(&request(key, b"body", Duration::ZERO))
+                .await
+                .unwrap(),
+        );
+        assert_eq!(stalled.attempt, 1);
+        // Claims of a key are at least a lease apart, and this lease is
+        // zero: the stored times (milliseconds, in SQLite) must differ.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        match deletion {
+            "forget" => assert_eq!(
+                store.forget("src", key, false).await.unwrap(),
+                Forget::Forgotten
+            ),
+            _ => {
+                let everything = PruneGroup {
+                    older_than: Duration::ZERO,
+                    sources: Sources::AllExcept(Vec::new()),
+                };
+                assert_eq!(
+                    store.prune(&everything, 1000).await.unwrap(),
+                    PruneBatch::Deleted(1)
+                );
+            }
+        }
+        let owner = won_fence(store.claim(&request(key, b"body", MINUTE)).await.unwrap());
+        assert_eq!(owner.attempt, 1, "{key}: a new row starts again at 1");
+        assert_ne!(owner, stalled, "{key}");
+        assert!(
+            !store.settle("src", key, stalled, DONE).await.unwrap(),
+            "{key}: the stalled owner is fenced out"
+        );
+        let row = store.show("src", key).await.unwrap().unwrap();
+        assert_eq!(
+            (row.status, row.attempts, row.response_status),
+            (KeyStatus::Processing, 1, None),
+            "{key}"
+        );
+        assert_eq!(
+            store.claim(&request(key, b"body", MINUTE)).await.unwrap(),
+            Claim::InFlight {
+                payload_mismatch: false
+            },
+            "{key}: the new owner's delivery is still in flight"
+        );
+        assert!(
+            store.settle("src", key, owner, DONE).await.unwrap(),
+            "{key}"
+        );
+    }
 }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use dedupe_proxy::store::{Claim, Fence, Settlement, Store, StoreError};
 use dedupe_proxy::{Application, Config};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -837,5 +838,35 @@ impl TestResponse {
 
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+}
+
+/// Settles `key` as its `attempt`, for the tests of attempt fencing: the
+/// fence's claim time is the key's row's, or one no claim has when the row is
+/// gone. A test of claim-time fencing settles with the fence its claim
+/// returned.
+pub async fn settle_attempt(
+    store: &Store,
+    source: &str,
+    key: &str,
+    attempt: i32,
+    settlement: Settlement,
+) -> Result<bool, StoreError> {
+    let claimed_at = store
+        .show(source, key)
+        .await?
+        .map_or(std::time::UNIX_EPOCH, |row| row.claimed_at);
+    let fence = Fence {
+        attempt,
+        claimed_at,
+    };
+    store.settle(source, key, fence, settlement).await
+}
+
+/// The attempt a claim won, if it won.
+pub fn won_attempt(claim: &Claim) -> Option<i32> {
+    match claim {
+        Claim::Won { fence, .. } => Some(fence.attempt),
+        _ => None,
     }
 }

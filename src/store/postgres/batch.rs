@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
@@ -14,7 +14,7 @@ use tokio_postgres::types::{ToSql, Type};
 use super::sql::Statements;
 use super::{Connection, Params, Session, postgres_error};
 use crate::store::coalesce::{Coalescer, Lane, Limits, Outcome};
-use crate::store::{Claim, ClaimRequest, Settlement, StoreError, WonFrom};
+use crate::store::{Claim, ClaimRequest, Fence, Settlement, StoreError, WonFrom};
 
 /// The coalescing queues, started on first use (they need a runtime).
 pub(super) struct Batches {
@@ -26,7 +26,7 @@ pub(super) struct Batches {
 pub(super) struct SettleRequest {
     pub(super) source: String,
     pub(super) key: String,
-    pub(super) attempt: i32,
+    pub(super) fence: Fence,
     pub(super) settlement: Settlement,
 }
 
@@ -358,7 +358,10 @@ impl BatchRunner {
                     _ => WonFrom::Failed,
                 };
                 *slot = Some(Claim::Won {
-                    attempt: row.get(1),
+                    fence: Fence {
+                        attempt: row.get(1),
+                        claimed_at: row.get(4),
+                    },
                     from,
                     payload_mismatch: differs(row.get(2), &requests[index].payload_sha256),
                 });
@@ -432,7 +435,8 @@ impl BatchRunner {
                 let params: &Params<'_> = &[
                     (&one.source, Type::TEXT),
                     (&one.key, Type::TEXT),
-                    (&one.attempt, Type::INT4),
+                    (&one.fence.attempt, Type::INT4),
+                    (&one.fence.claimed_at, Type::TIMESTAMPTZ),
                     (&one.settlement.status.as_str(), Type::TEXT),
                     (&response_status(one), Type::INT2),
                 ];
@@ -441,7 +445,9 @@ impl BatchRunner {
             _ => {
                 let sources: Vec<&str> = requests.iter().map(|r| r.source.as_str()).collect();
                 let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
-                let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
+                let attempts: Vec<i32> = requests.iter().map(|r| r.fence.attempt).collect();
+                let claimed_at: Vec<SystemTime> =
+                    requests.iter().map(|r| r.fence.claimed_at).collect();
                 let statuses: Vec<&str> = requests
                     .iter()
                     .map(|r| r.settlement.status.as_str())
@@ -452,6 +458,7 @@ impl BatchRunner {
                     (&sources, Type::TEXT_ARRAY),
                     (&keys, Type::TEXT_ARRAY),
                     (&attempts, Type::INT4_ARRAY),
+                    (&claimed_at, Type::TIMESTAMPTZ_ARRAY),
                     (&statuses, Type::TEXT_ARRAY),
                     (&response_statuses, Type::INT2_ARRAY),
                 ];
@@ -583,7 +590,10 @@ fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
     let payload_mismatch = differs(row.get(3), payload_sha256);
     if row.get::<_, bool>(1) {
         Claim::Won {
-            attempt: row.get(2),
+            fence: Fence {
+                attempt: row.get(2),
+                claimed_at: row.get(7),
+            },
             from: WonFrom::New,
             payload_mismatch,
         }

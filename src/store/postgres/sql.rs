@@ -53,6 +53,7 @@ impl Statements {
         // the statement reads or writes a row.
         let guard = |parameter: &str| format!("1 / ({parameter}::text = '{instance}')::int = 1");
         let sixth_guard = guard("$6");
+        let seventh_guard = guard("$7");
         let third_guard = guard("$3");
         let (schema, unqualified) = match table_name.rsplit_once('.') {
             Some((schema, unqualified)) => (Some(schema), unqualified),
@@ -85,13 +86,14 @@ impl Statements {
             )
         };
         let claim_arrays = unnest_parameters(&["text", "text", "bytea", "int8", "bool"]);
-        let settle_arrays = unnest_parameters(&["text", "text", "int4", "text", "int2"]);
+        let settle_arrays =
+            unnest_parameters(&["text", "text", "int4", "timestamptz", "text", "int2"]);
         let recheck_arrays = unnest_parameters(&["text", "text"]);
         let prior_takeable = takeable("p", "i.reject_mismatch", "i.payload_sha256");
         let prior_one_takeable = takeable("p", "$5", "$3");
         let locked_takeable = takeable("e", "i.reject_mismatch", "i.payload_sha256");
         let latest_takeable = takeable("e", "r.reject_mismatch", "r.payload_sha256");
-        let settleable_one = settleable("", "$4");
+        let settleable_one = settleable("", "$5");
         let settleable_each = settleable("e.", "u.status");
         let guarded_input = format!(
             "SELECT * FROM {claim_arrays}
@@ -162,12 +164,12 @@ impl Statements {
                     WHERE NOT EXISTS (SELECT 1 FROM prior p WHERE p.ord = i.ord)
                     ORDER BY source COLLATE \"C\", event_id COLLATE \"C\"
                    ON CONFLICT (source, event_id) DO NOTHING
-                   RETURNING e.source, e.event_id, e.attempts, e.payload_sha256
+                   RETURNING e.source, e.event_id, e.attempts, e.payload_sha256, e.claimed_at
                  )
                  SELECT i.ord, c.attempts IS NOT NULL, coalesce(c.attempts, 0)::int4,
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
                         coalesce(extract(epoch FROM now() - p.received_at)::float8, 0),
-                        coalesce({prior_takeable}, false)
+                        coalesce({prior_takeable}, false), c.claimed_at
                    FROM input i
                    LEFT JOIN inserted c USING (source, event_id)
                    LEFT JOIN prior p USING (ord)"
@@ -204,9 +206,10 @@ impl Statements {
                         response_status = NULL, completed_at = NULL
                    FROM retakable r
                   WHERE e.source = r.source AND e.event_id = r.event_id AND {latest_takeable}
-                 RETURNING r.ord, e.attempts::int4, e.payload_sha256, r.status"
+                 RETURNING r.ord, e.attempts::int4, e.payload_sha256, r.status, e.claimed_at"
             ),
-            // Fenced per row: only the attempt that owns a key settles it.
+            // Fenced per row: only the attempt that owns a key settles it,
+            // named by its number and its claim's time (see `Fence`).
             // A `done` may also land on its own attempt's release (`failed`
             // with no response: shutdown's deadline or `keys release`) as
             // long as no retry has taken the key since: the upstream did act
@@ -216,10 +219,12 @@ impl Statements {
                     SET status = u.status, response_status = u.response_status,
                         completed_at = now(), lease_expires_at = NULL
                    FROM {settle_arrays}
-                          WITH ORDINALITY AS u(source, event_id, attempt, status, response_status, ord)
+                          WITH ORDINALITY AS u(source, event_id, attempt, claimed_at, status,
+                                               response_status, ord)
                   WHERE e.source = u.source AND e.event_id = u.event_id
-                    AND e.attempts = u.attempt AND {settleable_each}
-                    AND {sixth_guard}
+                    AND e.attempts = u.attempt AND e.claimed_at = u.claimed_at
+                    AND {settleable_each}
+                    AND {seventh_guard}
                  RETURNING u.ord"
             ),
             // The batch statement's decisions for one key, shaped the same
@@ -234,21 +239,22 @@ impl Statements {
                    SELECT $1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond'
                     WHERE NOT EXISTS (SELECT 1 FROM prior)
                    ON CONFLICT (source, event_id) DO NOTHING
-                   RETURNING attempts, payload_sha256
+                   RETURNING attempts, payload_sha256, claimed_at
                  )
                  SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0)::int4,
                         coalesce(c.payload_sha256, p.payload_sha256), p.status,
                         coalesce(extract(epoch FROM now() - p.received_at)::float8, 0),
-                        coalesce({prior_one_takeable}, false)
+                        coalesce({prior_one_takeable}, false), c.claimed_at
                    FROM (SELECT 1) one
                    LEFT JOIN inserted c ON true
                    LEFT JOIN prior p ON true"
             ),
             settle_one: format!(
                 "UPDATE {table}
-                    SET status = $4, response_status = $5, completed_at = now(), lease_expires_at = NULL
-                  WHERE source = $1 AND event_id = $2 AND attempts = $3 AND {settleable_one}
-                    AND {sixth_guard}
+                    SET status = $5, response_status = $6, completed_at = now(), lease_expires_at = NULL
+                  WHERE source = $1 AND event_id = $2 AND attempts = $3 AND claimed_at = $4
+                    AND {settleable_one}
+                    AND {seventh_guard}
                  RETURNING 1::int8"
             ),
             recheck: format!(
@@ -349,6 +355,8 @@ fn unnest_parameters(element_types: &[&str]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::time::SystemTime;
+
     use tokio_postgres::error::SqlState;
     use tokio_postgres::types::{ToSql, Type};
 
@@ -436,6 +444,7 @@ mod tests {
                 .await
                 .unwrap();
             assert!(claimed.iter().all(|row| row.get::<_, bool>(1)), "both won");
+            let claimed_at: Vec<SystemTime> = claimed.iter().map(|row| row.get(7)).collect();
             let settled = client
                 .query(
                     &settle,
@@ -443,6 +452,7 @@ mod tests {
                         &sources,
                         &keys,
                         &vec![1_i32; 2],
+                        &claimed_at,
                         &vec!["done"; 2],
                         &vec![200_i16; 2],
                         &OURS,
@@ -514,6 +524,14 @@ mod tests {
             row.get::<_, String>(0)
         };
         let before = snapshot().await;
+        let open_claimed_at: SystemTime = client
+            .query_one(
+                "SELECT claimed_at FROM pg_temp.claims WHERE event_id = 'open'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
 
         let one = |key: &'static str| -> Vec<Box<dyn ToSql + Sync>> {
             vec![
@@ -538,6 +556,7 @@ mod tests {
                 Box::new("orders"),
                 Box::new("open"),
                 Box::new(attempt),
+                Box::new(open_claimed_at),
                 Box::new("done"),
                 Box::new(200_i16),
             ]
@@ -547,6 +566,7 @@ mod tests {
                 Box::new(vec!["orders"; 2]),
                 Box::new(vec!["open", "other"]),
                 Box::new(vec![attempt; 2]),
+                Box::new(vec![open_claimed_at; 2]),
                 Box::new(vec!["done"; 2]),
                 Box::new(vec![200_i16; 2]),
             ]
@@ -605,6 +625,7 @@ mod tests {
                     &"orders",
                     &"open",
                     &1_i32,
+                    &open_claimed_at,
                     &"done",
                     &200_i16,
                     &"fedcba9876543210",

@@ -197,6 +197,6 @@ fn status_from(text: &str, column: usize) -> rusqlite::Result<KeyStatus> {
         .ok_or_else(|| rusqlite::Error::InvalidColumnType(column, "status".into(), Type::Text))
 }
 
-fn from_ms(ms: i64) -> SystemTime {
+pub(super) fn from_ms(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }
