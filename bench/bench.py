@@ -52,7 +52,8 @@ PGBENCH_KEYS = {
 # The proxy's parameters, in order, as pgbench variables.
 # The last is the guard's: the process's instance, also written into the text.
 PGBENCH_PARAMS = {"claim_one": ["source", "key", "sha", "lease_ms", "reject_mismatch", "instance"],
-                  "settle_one": ["source", "key", "attempt", "status", "response_status", "instance"]}
+                  "settle_one": ["source", "key", "claim_attempt", "claim_claimed_at", "status",
+                                 "response_status", "instance"]}
 INSTANCE = "0123456789abcdef"
 # The least a claim can be: the INSERT alone, which on an existing key
 # conflicts and returns nothing. It cannot tell a done key from one to take
@@ -63,7 +64,10 @@ BARE_INSERT = ("INSERT INTO processed_events (source, event_id, status, attempts
                "now() + :lease_ms * interval '1 millisecond') "
                "ON CONFLICT (source, event_id) DO NOTHING RETURNING attempts;\n")
 # Each pgbench scenario's keys and statements.
-PGBENCH_SCRIPTS = {"pgbench-first": ["claim_one", "settle_one"], "pgbench-dup": ["claim_one"],
+# The claim's answer as pgbench variables (`claim_attempt`, `claim_claimed_at`,
+# …), for the settle behind it: its fence is the claim's attempt and time.
+CLAIM_ANSWER = "\\gset claim_\n"
+PGBENCH_SCRIPTS = {"pgbench-first": ["claim_one_answered", "settle_one"], "pgbench-dup": ["claim_one"],
                    "pgbench-insert": ["bare_insert"]}
 
 # Where the proxy's claim and settle statements are.
@@ -754,6 +758,7 @@ class Bench:
         bare INSERT."""
         statements = pgbench_statements()
         statements["bare_insert"] = BARE_INSERT
+        statements["claim_one_answered"] = statements["claim_one"].removesuffix(";\n") + "\n" + CLAIM_ANSWER
         self.pgbench_scripts = {}
         for name, parts in PGBENCH_SCRIPTS.items():
             path = self.tmp / f"{name}.sql"
@@ -885,7 +890,7 @@ class Bench:
         shutil.rmtree(logdir, ignore_errors=True)
         logdir.mkdir()
         variables = {"nonce": nonce, "n": 0, "keys": self.a.keys, "source": ROUTE, "sha": "\\x" + sha,
-                     "lease_ms": LEASE_MS, "reject_mismatch": "false", "attempt": 1, "status": "done", "response_status": 200,
+                     "lease_ms": LEASE_MS, "reject_mismatch": "false", "status": "done", "response_status": 200,
                      "instance": INSTANCE}
         argv = ["pgbench", "-n", "-M", "prepared", "-f", str(script), "-c", str(clients),
                 "-j", str(min(self.a.threads, clients)), "-T", str(max(1, round(duration))),

@@ -241,10 +241,13 @@ impl Statements {
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING attempts, payload_sha256, claimed_at
                  )
-                 SELECT 1::int8, c.attempts IS NOT NULL, coalesce(c.attempts, 0)::int4,
-                        coalesce(c.payload_sha256, p.payload_sha256), p.status,
-                        coalesce(extract(epoch FROM now() - p.received_at)::float8, 0),
-                        coalesce({prior_one_takeable}, false), c.claimed_at
+                 SELECT 1::int8 AS ord, c.attempts IS NOT NULL AS won,
+                        coalesce(c.attempts, 0)::int4 AS attempt,
+                        coalesce(c.payload_sha256, p.payload_sha256) AS payload_sha256,
+                        p.status AS status,
+                        coalesce(extract(epoch FROM now() - p.received_at)::float8, 0) AS age,
+                        coalesce({prior_one_takeable}, false) AS takeable,
+                        c.claimed_at AS claimed_at
                    FROM (SELECT 1) one
                    LEFT JOIN inserted c ON true
                    LEFT JOIN prior p ON true"
