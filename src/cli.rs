@@ -88,7 +88,7 @@ pub enum KeysCommand {
         /// The route name.
         source: String,
         /// The idempotency key (`--` before one that starts with `-`, unless
-        /// it is a number).
+        /// it is a number without an exponent).
         #[arg(allow_negative_numbers = true)]
         key: String,
         /// Print a JSON object instead of a table.
@@ -101,7 +101,7 @@ pub enum KeysCommand {
         /// The route name.
         source: String,
         /// The idempotency key (`--` before one that starts with `-`, unless
-        /// it is a number).
+        /// it is a number without an exponent).
         #[arg(allow_negative_numbers = true)]
         key: String,
         /// Delete a key even while its delivery may still be at the
@@ -115,7 +115,7 @@ pub enum KeysCommand {
         /// The route name.
         source: String,
         /// The idempotency key (`--` before one that starts with `-`, unless
-        /// it is a number).
+        /// it is a number without an exponent).
         #[arg(allow_negative_numbers = true)]
         key: String,
     },
