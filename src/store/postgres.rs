@@ -288,7 +288,7 @@ impl Session {
     fn lose_named_statements(&self, error: &tokio_postgres::Error) {
         if !self.named_statements_lost.swap(true, Ordering::Relaxed) {
             tracing::warn!(
-                %error,
+                error = error_chain(error),
                 "named prepared statements do not survive the way to the server (a \
                  transaction-pooling PgBouncer older than 1.21?); using unnamed statements \
                  from now on: set store.statement_cache: false"

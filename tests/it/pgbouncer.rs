@@ -255,10 +255,14 @@ async fn scenario(statement_cache: bool) {
     for mut replica in replicas {
         replica.terminate();
         let lines = replica.all_log_lines().await;
-        switched += lines
+        for line in lines
             .iter()
             .filter(|line| line.contains("named prepared statements do not survive"))
-            .count();
+        {
+            // The server's own words, not only "db error".
+            assert!(line.contains("db error: ERROR: "), "{line}");
+            switched += 1;
+        }
     }
     let tracks_prepared_statements = pgbouncer_version() >= (1, 21);
     assert_eq!(
