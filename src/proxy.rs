@@ -219,9 +219,20 @@ impl Proxy {
                         _in_flight: in_flight,
                         body: None,
                     };
-                    return Box::pin(self.webhook(route, request, peer, started, held))
-                        .await
-                        .into_response();
+                    let answer = Box::pin(self.webhook(route, request, peer, started, held)).await;
+                    // The rest of a body refused as too large is never read,
+                    // so the connection cannot carry another request; saying
+                    // so lets the sender open a new one instead of finding
+                    // this one closed under its next request.
+                    let body_left_unread =
+                        matches!(answer, Answer::Rejected(Rejection::TooLarge(_)));
+                    let mut response = answer.into_response();
+                    if body_left_unread {
+                        response
+                            .headers_mut()
+                            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    }
+                    return response;
                 }
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },

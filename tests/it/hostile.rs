@@ -65,6 +65,23 @@ async fn raw(app: &TestApp, request: &[u8]) -> String {
         .to_string()
 }
 
+/// Sends raw bytes on a connection of its own and returns all the proxy
+/// wrote before closing it, checking that it answered exactly once (so
+/// nothing after the request was read as another).
+async fn only_answer_before_close(app: &TestApp, request: &str) -> String {
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .expect("the connection is closed")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let answers = answer.lines().filter(|line| line.starts_with("HTTP/"));
+    assert_eq!(answers.count(), 1, "{answer}");
+    answer
+}
+
 /// Sends each request on a connection of its own and checks the status line
 /// of its answer.
 async fn assert_each_answered(app: &TestApp, requests: &[&[u8]], status: &str) {
@@ -117,17 +134,39 @@ async fn a_request_refused_for_its_framing_closes_the_connection() {
         format!("POST /elsewhere HTTP/1.1\r\nContent-Length: 0\r\n\r\n{pipelined}"),
     ];
     for request in refused {
-        let mut stream = TcpStream::connect(app.addr).await.unwrap();
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut answer = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
-            .await
-            .expect("the connection is closed")
-            .unwrap();
-        let answer = String::from_utf8_lossy(&answer);
+        let answer = only_answer_before_close(&app, &request).await;
         assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
-        let answers = answer.lines().filter(|line| line.starts_with("HTTP/"));
-        assert_eq!(answers.count(), 1, "{answer}");
+    }
+    assert_healthy_and_untouched(&app).await;
+}
+
+/// A body refused as too large is not read to its end, so its connection
+/// cannot carry another request: the 413 says `Connection: close` and the
+/// connection closes, whether the body was announced with `Expect:
+/// 100-continue` and never sent, sent whole, or chunked past the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_refused_as_too_large_closes_the_connection() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.limits.max_body_bytes = 1000
+    })
+    .await;
+    let pipelined = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
+    let refused = [
+        "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: big1\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n".to_string(),
+        format!(
+            "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: big2\r\nContent-Length: 1500\r\n\r\n{}{pipelined}",
+            "x".repeat(1500)
+        ),
+        format!(
+            "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: big3\r\nTransfer-Encoding: chunked\r\n\r\n7d0\r\n{}\r\n0\r\n\r\n{pipelined}",
+            "x".repeat(2000)
+        ),
+    ];
+    for request in refused {
+        let answer = only_answer_before_close(&app, &request).await;
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        let fields = answer.to_ascii_lowercase();
+        assert!(fields.contains("\r\nconnection: close\r\n"), "{answer}");
     }
     assert_healthy_and_untouched(&app).await;
 }
