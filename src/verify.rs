@@ -86,6 +86,14 @@ impl Scheme {
         Scheme::Body(BodyHmac::zoom())
     }
 
+    /// Whether the signature covers a timestamp, which `tolerance` bounds.
+    pub fn signs_a_timestamp(&self) -> bool {
+        match self {
+            Scheme::Stripe | Scheme::StandardWebhooks => true,
+            Scheme::Body(scheme) => scheme.signs_a_timestamp(),
+        }
+    }
+
     /// Checks one request against every secret; `Ok` when any signature in
     /// the request matches any secret and its timestamp (for the schemes
     /// that sign one) is within `tolerance` of `now`.

@@ -3,7 +3,7 @@
 //! creating anything: a store whose schema was never made is reported, not
 //! made.
 
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail};
 use serde::Serialize;
@@ -283,8 +283,19 @@ fn to_json(value: &impl Serialize) -> String {
     text
 }
 
+/// RFC 3339 in UTC. humantime prints years 1970 to 9999 only (and fails or
+/// panics outside them); a time outside, which only a row written by hand
+/// can hold, is printed as seconds from the epoch instead.
 fn time(at: SystemTime) -> String {
-    humantime::format_rfc3339_millis(at).to_string()
+    const YEAR_10000: Duration = Duration::from_secs(253_402_300_800);
+    match at.duration_since(UNIX_EPOCH) {
+        Ok(since) if since < YEAR_10000 => humantime::format_rfc3339_millis(at).to_string(),
+        Ok(since) => format!("{}s after 1970-01-01T00:00:00Z", since.as_secs()),
+        Err(before) => format!(
+            "{}s before 1970-01-01T00:00:00Z",
+            before.duration().as_secs_f64().ceil()
+        ),
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -299,7 +310,6 @@ fn or_dash(value: Option<impl ToString>) -> String {
 mod tests {
     use super::*;
     use crate::store::KeyStatus;
-    use std::time::UNIX_EPOCH;
 
     fn record(key: &str, status: KeyStatus) -> KeyRecord {
         let at = UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
@@ -351,6 +361,21 @@ mod tests {
         let value: serde_json::Value =
             serde_json::from_str(&render_one(&record(key, KeyStatus::Done), true)).unwrap();
         assert_eq!(value["key"], key);
+    }
+
+    #[test]
+    fn times_outside_rfc3339s_years_are_printed_not_panicked_on() {
+        let at = |secs: u64| UNIX_EPOCH + Duration::from_secs(secs);
+        assert_eq!(time(at(1_700_000_000)), "2023-11-14T22:13:20.000Z");
+        assert_eq!(time(at(253_402_300_799)), "9999-12-31T23:59:59.000Z");
+        assert_eq!(
+            time(at(253_402_300_800)),
+            "253402300800s after 1970-01-01T00:00:00Z"
+        );
+        assert_eq!(
+            time(UNIX_EPOCH - Duration::from_millis(1_500)),
+            "2s before 1970-01-01T00:00:00Z"
+        );
     }
 
     #[test]

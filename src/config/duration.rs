@@ -31,11 +31,28 @@ pub fn format(duration: Duration) -> String {
     }
 }
 
+/// The longest duration accepted anywhere. Leases and retentions are added
+/// to and taken from the clock, in the store and in what `keys` prints; past
+/// this, those times leave what PostgreSQL's intervals and RFC 3339's four
+/// digit years can hold, and a lease of millennia would fail every claim.
+pub const MAX: Duration = Duration::from_secs(36_500 * 86_400);
+
 /// Reads a duration. Months and years are refused: humantime's `M` (months)
 /// is one shift key away from `m` (minutes), so `lease: 5M` would quietly
 /// hold a crashed delivery's key for five months, and its month is an
 /// average (30.44 days) anyway.
 pub fn parse(text: &str) -> Result<Duration, String> {
+    let duration = parse_unbounded(text)?;
+    if duration > MAX {
+        return Err(format!(
+            "`{text}`: longer than {}, the longest duration accepted",
+            format(MAX)
+        ));
+    }
+    Ok(duration)
+}
+
+fn parse_unbounded(text: &str) -> Result<Duration, String> {
     const HINT: &str = "write durations like 500ms, 30s, 5m, 72h or 7d";
     let months_or_years = text
         .split(|c: char| !c.is_ascii_alphabetic())
@@ -150,6 +167,17 @@ mod tests {
             let error = parse(text).unwrap_err();
             assert!(error.contains("months or years"), "{text}: {error}");
         }
+    }
+
+    #[test]
+    fn durations_past_the_longest_are_refused() {
+        assert_eq!(parse("36500d").unwrap(), MAX);
+        for text in ["36501d", "5215w", "3000000d", "999999999d"] {
+            let error = parse(text).unwrap_err();
+            assert!(error.contains("longer than 36500d"), "{text}: {error}");
+        }
+        let overflowing = parse("99999999999999999999d").unwrap_err();
+        assert!(overflowing.contains("too large"), "{overflowing}");
     }
 
     #[test]

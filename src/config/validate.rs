@@ -361,6 +361,16 @@ impl Config {
                     "{at}.secrets: a literal `value` is for local testing only; use `env` or `file`"
                 ));
             }
+            let timestamped = match (&route.signature, route.provider) {
+                (Some(signature), _) => signature.timestamp_header.is_some(),
+                (None, Some(provider)) => provider.preset().scheme.signs_a_timestamp(),
+                (None, None) => false,
+            };
+            if route.tolerance.is_some() && !timestamped {
+                warnings.push(format!(
+                    "{at}.tolerance: has no effect: this route's signature carries no timestamp"
+                ));
+            }
             let Some(provider) = route.provider else {
                 continue;
             };
@@ -684,13 +694,23 @@ mod tests {
     }
 
     #[test]
-    fn durations_in_months_are_refused() {
-        match parse("store:\n  lease: 5M\n") {
-            Err(Problem::Parse(problem)) => assert!(
-                problem.contains("store.lease") && problem.contains("`M` is months"),
-                "{problem}"
+    fn durations_in_months_or_of_millennia_are_refused() {
+        for (text, said) in [
+            ("store:\n  lease: 5M\n", "`M` is months"),
+            ("store:\n  lease: 999999999d\n", "longer than 36500d"),
+            (
+                "routes: [{ name: a, path: /a, key: { header: X }, retention: 40000d }]",
+                "longer than 36500d",
             ),
-            other => panic!("expected a parse problem, got {other:?}"),
+        ] {
+            match parse(text) {
+                Err(Problem::Parse(problem)) => assert!(
+                    (problem.contains("store.lease") || problem.contains("retention"))
+                        && problem.contains(said),
+                    "{problem}"
+                ),
+                other => panic!("expected a parse problem, got {other:?}"),
+            }
         }
     }
 
@@ -853,7 +873,10 @@ mod tests {
             "routes:
                - { name: bare, path: /a, provider: stripe }
                - { name: literal, path: /b, provider: github, secrets: [{ value: x }] }
-               - { name: short, path: /c, provider: stripe, secrets: [{ value: x }], retention: 1d }",
+               - { name: short, path: /c, provider: stripe, secrets: [{ value: x }], retention: 1d }
+               - { name: untimed, path: /d, provider: github, secrets: [{ env: HOME }], tolerance: 1m }
+               - { name: plain, path: /e, key: { header: X-Id }, tolerance: 1m }
+               - { name: timed, path: /f, provider: slack, secrets: [{ env: HOME }], tolerance: 1m }",
         )
         .unwrap();
         let warnings = config.warnings();
@@ -873,6 +896,16 @@ mod tests {
             warnings.iter().any(
                 |w| w.starts_with("routes[2] (short).retention (line 4):") && w.contains("30d")
             ),
+            "{warnings:?}"
+        );
+        let no_effect: Vec<_> = warnings
+            .iter()
+            .filter(|w| w.contains(".tolerance") && w.contains("no timestamp"))
+            .collect();
+        assert!(
+            no_effect.len() == 2
+                && no_effect[0].starts_with("routes[3] (untimed).tolerance (line 5):")
+                && no_effect[1].starts_with("routes[4] (plain).tolerance (line 6):"),
             "{warnings:?}"
         );
         assert!(parse(ROUTE).unwrap().warnings().is_empty());

@@ -149,6 +149,10 @@ pub struct BodyHmac {
 }
 
 impl BodyHmac {
+    pub fn signs_a_timestamp(&self) -> bool {
+        self.timestamp.is_some()
+    }
+
     /// GitHub: `X-Hub-Signature-256: sha256=<hex HMAC-SHA256 of the body>`.
     pub fn github() -> Self {
         Self {
