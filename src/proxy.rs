@@ -4,6 +4,9 @@
 //! live in their modules.
 
 mod answer;
+mod body;
+mod forward;
+mod malformed;
 mod open_claims;
 mod record;
 mod settle;
@@ -14,22 +17,23 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderValue, Method, Request, Response, Version, header};
-use http_body_util::{BodyExt, Full, Limited};
+use http::{HeaderValue, Request, Response, Version, header};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, Unavailable};
+use forward::unclaimed_dedupe_headers;
+use malformed::malformation;
 pub use open_claims::{OpenClaim, OpenClaims};
 use record::{InFlight, class_of, log_request};
 
 use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, Unmatched};
-use crate::key;
 use crate::metrics::{Metrics, UpstreamSeries};
 use crate::route::{NearMiss, Route, Routes};
-use crate::store::{Claim, ClaimRequest, Fence, SettledStatus, Settlement, Store};
-use crate::upstream::{DedupeHeaders, Peer, RequestBody, StreamedBody, Upstream, UpstreamError};
+use crate::store::{Claim, ClaimRequest, Fence, Store};
+use crate::upstream::{Peer, StreamedBody, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
 
 /// Everything a request needs, shared by all connections.
@@ -192,19 +196,7 @@ impl Proxy {
                 Answer::Rejected(Rejection::BadRequest(problem.into()))
             }
             _ if let Some(near_miss) = near_miss => {
-                Answer::Rejected(Rejection::BadRequest(match near_miss {
-                    NearMiss::Variant(meant) => format!(
-                        "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters, spaces around a segment, a format suffix such as `.json`): refused rather than forwarded unverified; send the route's path exactly",
-                        meant.name,
-                        request.method().as_str().to_ascii_uppercase(),
-                        meant.path()
-                    ),
-                    NearMiss::OutOfPrefix(prefix) => format!(
-                        "a path under route {}'s path_prefix ({}) whose dot segments lead out of it: refused rather than forwarded to another path with this route's checks",
-                        prefix.name,
-                        prefix.path()
-                    ),
-                }))
+                Answer::Rejected(Rejection::BadRequest(near_miss.refusal(request.method())))
             }
             Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
             // Boxed: hyper keeps one slot per connection for this future from
@@ -226,13 +218,7 @@ impl Proxy {
                     // this one closed under its next request.
                     let body_left_unread =
                         matches!(answer, Answer::Rejected(Rejection::TooLarge(_)));
-                    let mut response = answer.into_response();
-                    if body_left_unread {
-                        response
-                            .headers_mut()
-                            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-                    }
-                    return response;
+                    return closing_if(body_left_unread, answer.into_response());
                 }
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },
@@ -244,14 +230,8 @@ impl Proxy {
             &answer,
             started,
         );
-        let mut response = answer.into_response();
         // The request's framing is in doubt, so is whatever follows it.
-        if malformed.is_some() {
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        response
+        closing_if(malformed.is_some(), answer.into_response())
     }
 
     /// Counts a request's outcome and writes its log line.
@@ -501,345 +481,15 @@ impl Proxy {
             OnUnavailable::Forward => Decision::Pass(PassReason::StoreUnavailable),
         })
     }
-
-    /// A won claim is forwarded only while enough of its lease is left;
-    /// otherwise it is released.
-    async fn forward_if_lease_allows(
-        &self,
-        won: Won,
-        claimed_at: Instant,
-        trace: &mut Trace,
-    ) -> Decision {
-        trace.attempt = Some(won.fence.attempt);
-        if !self.lease_left_too_short(claimed_at) {
-            return Decision::Claimed(won);
-        }
-        let (answer, settle_time) = self
-            .release_unforwarded(&won.request, won.fence, Unavailable::LeaseTooShort)
-            .await;
-        trace.store_time += settle_time;
-        Decision::Answer(answer)
-    }
-
-    /// Releases a won claim that is not to be forwarded; returns the 503
-    /// that says why and the time the release took.
-    async fn release_unforwarded(
-        &self,
-        claim: &ClaimRequest,
-        fence: Fence,
-        why: Unavailable,
-    ) -> (Answer, Duration) {
-        let settle_started = Instant::now();
-        self.settle(claim, fence, Settlement::RELEASED).await;
-        let answer = Answer::Unavailable(why, self.settings.retry_after);
-        (answer, settle_started.elapsed())
-    }
-
-    /// Forwards a won claim and settles it before the response goes back.
-    async fn forward_claimed(
-        &self,
-        route: &Route,
-        won: Won,
-        request: Checked,
-        trace: &mut Trace,
-    ) -> Answer {
-        let (answer, upstream_time, settle_time) =
-            self.forward_and_settle(route, won, request).await;
-        trace.upstream_time = upstream_time;
-        trace.store_time += settle_time;
-        answer
-    }
-
-    /// Whether too little of a lease taken at `claimed_at` (before the claim
-    /// was sent) is left to wait out the upstream: another replica may own
-    /// the key by the time the upstream answers.
-    fn lease_left_too_short(&self, claimed_at: Instant) -> bool {
-        let lease_deadline = claimed_at + self.settings.lease;
-        lease_deadline.saturating_duration_since(Instant::now()) < self.settings.upstream_timeout
-    }
-
-    async fn forward_and_settle(
-        &self,
-        route: &Route,
-        won: Won,
-        request: Checked,
-    ) -> (Answer, Option<Duration>, Duration) {
-        let Won {
-            request: claim,
-            fence,
-            payload_mismatch,
-        } = won;
-        let attempt = fence.attempt;
-        let registered = self.open_claims.register(OpenClaim {
-            source: Arc::clone(&claim.source),
-            key: claim.key.clone(),
-            fence,
-            // The store keeps the first delivery's hash, which this body's is
-            // unless the store said otherwise.
-            first_payload_sha256: (!payload_mismatch).then_some(claim.payload_sha256),
-            outcome: None,
-        });
-        let Some(guard) = registered else {
-            let (answer, settle_time) = self
-                .release_unforwarded(&claim, fence, Unavailable::ShuttingDown)
-                .await;
-            return (answer, None, settle_time);
-        };
-        let dedupe = DedupeHeaders {
-            key: key::header_value(claim.key.as_bytes()),
-            source: route_source(route),
-            attempt: Some(attempt),
-        };
-        let sent_at = Instant::now();
-        let result = self
-            .upstream
-            .send(
-                request.parts,
-                full(request.body),
-                request.peer,
-                Some(dedupe),
-            )
-            .await;
-        let upstream_time = sent_at.elapsed();
-        self.count_upstream(route, &result, upstream_time);
-        if let Err(error) = &result {
-            tracing::warn!(
-                route = &*route.name,
-                key = claim.key.as_str(),
-                attempt,
-                %error,
-                "upstream gave no response"
-            );
-        }
-        let settlement = match &result {
-            Ok(response) if route.is_done(response.status()) => Settlement {
-                status: SettledStatus::Done,
-                response_status: Some(response.status().as_u16()),
-            },
-            Ok(response) => Settlement {
-                status: SettledStatus::Failed,
-                response_status: Some(response.status().as_u16()),
-            },
-            Err(_) => Settlement::RELEASED,
-        };
-        guard.set_outcome(settlement);
-        let settle_started = Instant::now();
-        if !self.settle(&claim, fence, settlement).await {
-            self.settle_in_background(claim, fence, settlement, route.retention, guard);
-        }
-        let settle_time = settle_started.elapsed();
-        let answer = match result {
-            Ok(response) => Answer::Forwarded(response),
-            Err(error) => Answer::UpstreamError(error),
-        };
-        (answer, Some(upstream_time), settle_time)
-    }
-
-    async fn pass(
-        &self,
-        route: &Route,
-        request: Checked,
-        reason: PassReason,
-        dedupe: Option<DedupeHeaders>,
-        trace: &mut Trace,
-    ) -> Answer {
-        let sent_at = Instant::now();
-        let result = self
-            .upstream
-            .send(request.parts, full(request.body), request.peer, dedupe)
-            .await;
-        let upstream_time = sent_at.elapsed();
-        trace.upstream_time = Some(upstream_time);
-        self.count_upstream(route, &result, upstream_time);
-        match (result, reason) {
-            (Ok(response), reason) => Answer::Passthrough(response, reason),
-            (Err(error), PassReason::Shadow(enforced)) => {
-                Answer::ShadowedUpstreamError { error, enforced }
-            }
-            (Err(error), _) => Answer::UpstreamError(error),
-        }
-    }
-
-    /// Reads the whole body, refusing it past the limit, and takes its bytes
-    /// from the buffered-body budget into `budget` as they arrive.
-    async fn read(
-        &self,
-        request: Request<Incoming>,
-        budget: &mut Option<OwnedSemaphorePermit>,
-    ) -> Result<(Parts, Bytes), Answer> {
-        let limit = self.settings.max_body_bytes;
-        let declared = request
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
-        if declared.is_some_and(|length| length > limit as u64) {
-            return Err(Answer::Rejected(Rejection::TooLarge(limit)));
-        }
-        let (parts, body) = request.into_parts();
-        let collect = self.collect(Limited::new(body, limit), budget);
-        match tokio::time::timeout(self.settings.body_read_timeout, collect).await {
-            Ok(Ok(body)) => Ok((parts, body)),
-            Ok(Err(Refused::Budget)) => Err(Answer::Unavailable(
-                Unavailable::Overloaded,
-                self.settings.retry_after,
-            )),
-            Ok(Err(Refused::Body(error))) if error.is::<http_body_util::LengthLimitError>() => {
-                Err(Answer::Rejected(Rejection::TooLarge(limit)))
-            }
-            Ok(Err(Refused::Body(error))) => Err(Answer::Rejected(Rejection::BadRequest(format!(
-                "could not read the request body: {error}"
-            )))),
-            Err(_) => Err(Answer::Rejected(Rejection::Timeout)),
-        }
-    }
-
-    async fn collect(
-        &self,
-        mut body: Limited<Incoming>,
-        budget: &mut Option<OwnedSemaphorePermit>,
-    ) -> Result<Bytes, Refused> {
-        let mut chunks = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let Ok(chunk) = frame.map_err(Refused::Body)?.into_data() else {
-                continue;
-            };
-            let bytes = u32::try_from(chunk.len()).map_err(|_| Refused::Budget)?;
-            let taken = Arc::clone(&self.body_budget)
-                .try_acquire_many_owned(bytes)
-                .map_err(|_| Refused::Budget)?;
-            match budget {
-                Some(held) => held.merge(taken),
-                None => *budget = Some(taken),
-            }
-            chunks.push(chunk);
-        }
-        Ok(match chunks.len() {
-            0 => Bytes::new(),
-            1 => chunks.pop().expect("one chunk"),
-            _ => Bytes::from(chunks.concat()),
-        })
-    }
 }
 
-/// Why a body was not read whole.
-enum Refused {
-    /// The body, or what it was sent with, was refused.
-    Body(Box<dyn std::error::Error + Send + Sync>),
-    /// `limits.max_buffered_body_bytes` is taken.
-    Budget,
-}
-
-/// Why RFC 9112 has a server refuse the request with 400, if it does: its
-/// framing could be read two ways, or its `Host` is missing or repeated.
-fn malformation(request: &Request<Incoming>) -> Option<&'static str> {
-    if is_ambiguously_framed(request.headers()) {
-        return Some(
-            "ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length",
-        );
+/// The response, with `Connection: close` when the connection cannot carry
+/// another request (hyper then closes it once the response is written).
+fn closing_if(close: bool, mut response: Response<Body>) -> Response<Body> {
+    if close {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
-    if request.method() == Method::CONNECT {
-        return Some(
-            "CONNECT is not served: the proxy forwards requests, it does not open tunnels",
-        );
-    }
-    let mut hosts = request.headers().get_all(header::HOST).iter();
-    let host = match (hosts.next(), hosts.next()) {
-        (Some(_), Some(_)) => return Some("more than one Host field"),
-        // HTTP/1.0 may leave it out; HTTP/2 carries `:authority` instead.
-        (None, _) if request.version() == Version::HTTP_11 => {
-            return Some("an HTTP/1.1 request needs a Host field");
-        }
-        (host, _) => host,
-    };
-    // RFC 9112 section 3.2: a Host that is not a host and an optional port
-    // (`a/b`, `a b`, `user@a`) would be passed on as one to the application,
-    // and in X-Forwarded-Host.
-    if host.is_some_and(|host| {
-        !host
-            .as_bytes()
-            .iter()
-            .all(|&byte| HOST_BYTES[usize::from(byte)])
-    }) {
-        return Some("the Host field is not a host with an optional port");
-    }
-    let target = request.uri();
-    let http2 = request.version() >= Version::HTTP_2;
-    if !http2 && target.scheme().is_none() && target.authority().is_some() {
-        return Some("a request target in authority form is for CONNECT only");
-    }
-    // RFC 9112 section 3.2.2 and RFC 9113 section 8.3.1: the target's
-    // authority (HTTP/2's `:authority`), not Host, names the resource;
-    // forwarded with the sender's Host, the application would read another.
-    if let (Some(authority), Some(host)) = (target.authority(), host)
-        && !host
-            .as_bytes()
-            .eq_ignore_ascii_case(authority.as_str().as_bytes())
-    {
-        return Some(if http2 {
-            "the :authority and Host fields differ"
-        } else {
-            "the request target's authority and the Host field differ"
-        });
-    }
-    if target.path() == "*" && request.method() != Method::OPTIONS {
-        return Some("a request target of `*` is for OPTIONS only");
-    }
-    None
-}
-
-/// The bytes that may appear in a host and port (RFC 3986 section 3.2.2: a
-/// name's unreserved characters, escapes and sub-delimiters, an IP
-/// literal's brackets and colons, the port's colon), as a table looked up
-/// once per byte of every request's Host. Not `http::uri::Authority`, which
-/// copies the field to parse it.
-const HOST_BYTES: [bool; 256] = {
-    let mut table = [false; 256];
-    let mut byte = 0;
-    while byte < 256 {
-        table[byte] = (byte as u8).is_ascii_alphanumeric();
-        byte += 1;
-    }
-    let others = b"-._~%!$&'()*+,;=:[]";
-    let mut i = 0;
-    while i < others.len() {
-        table[others[i] as usize] = true;
-        i += 1;
-    }
-    table
-};
-
-/// Whether the request's framing could be read two ways by two servers (the
-/// request-smuggling pattern): both `Content-Length` and `Transfer-Encoding`,
-/// or a transfer coding other than one `chunked`.
-fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
-    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter();
-    match (codings.next(), codings.next()) {
-        (None, _) => false,
-        (Some(coding), None) => {
-            headers.contains_key(header::CONTENT_LENGTH)
-                || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
-        }
-        (Some(_), Some(_)) => true,
-    }
-}
-
-/// For a shadowed delivery that holds no claim: the application still
-/// learns the key, so it can see the duplicates enforcing would suppress,
-/// but no attempt is named.
-fn unclaimed_dedupe_headers(route: &Route, trace: &Trace) -> Option<DedupeHeaders> {
-    let key = trace.key.as_deref()?;
-    Some(DedupeHeaders {
-        key: key::header_value(key.as_bytes()),
-        source: route_source(route),
-        attempt: None,
-    })
-}
-
-/// `X-Dedupe-Source`: the route's name.
-fn route_source(route: &Route) -> HeaderValue {
-    HeaderValue::from_str(&route.name).expect("route names are header-safe")
-}
-
-fn full(body: Bytes) -> RequestBody {
-    Full::new(body).map_err(|never| match never {}).boxed()
+    response
 }

@@ -267,6 +267,23 @@ impl<'a> NearMiss<'a> {
             NearMiss::Variant(route) | NearMiss::OutOfPrefix(route) => route,
         }
     }
+
+    /// Why a request sent with `method` is refused, for its sender.
+    pub fn refusal(self, method: &Method) -> String {
+        match self {
+            NearMiss::Variant(meant) => format!(
+                "not route {}'s path ({} {}) but a variant of it (letter case, percent-encoding, dot segments, repeated or trailing slashes, `;` parameters, spaces around a segment, a format suffix such as `.json`): refused rather than forwarded unverified; send the route's path exactly",
+                meant.name,
+                method.as_str().to_ascii_uppercase(),
+                meant.path()
+            ),
+            NearMiss::OutOfPrefix(prefix) => format!(
+                "a path under route {}'s path_prefix ({}) whose dot segments lead out of it: refused rather than forwarded to another path with this route's checks",
+                prefix.name,
+                prefix.path()
+            ),
+        }
+    }
 }
 
 /// All routes, in match order: exact paths first, then the longest prefix.
