@@ -4,22 +4,19 @@
 //! 7.6.1, `X-Forwarded-*`, the proxy's own `X-Dedupe-*` fields). Knows
 //! nothing about claims.
 
+mod body;
 mod pool;
 
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::header::{self, GetAll, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response, Uri};
-use http_body_util::combinators::BoxBody;
-use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use crate::config::UpstreamConfig;
 use crate::tls::TlsError;
+pub use body::{RequestBody, ResponseBody, ResponseBodyError, SenderBodyError, StreamedBody};
 use pool::Pool;
 pub use pool::use_lane;
 
@@ -39,176 +36,6 @@ pub enum UpstreamError {
     /// the upstream's.
     #[error(transparent)]
     SenderBody(SenderBodyError),
-}
-
-/// Why a sender's body streamed to the upstream ended before it was whole.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum SenderBodyError {
-    /// Not whole within `limits.body_read_timeout` of the request's start.
-    #[error("the request body did not arrive within {0:?}")]
-    Timeout(Duration),
-    /// Cut off, or badly framed (a chunk size that is not one, say).
-    #[error("the request body could not be read: {0}")]
-    Unreadable(String),
-}
-
-/// A request body: buffered, or streamed through from the sender.
-pub type RequestBody = BoxBody<Bytes, SenderBodyError>;
-
-/// A sender's body streamed through to the upstream, which must arrive
-/// whole by a deadline: a sender that stalls would otherwise hold an
-/// upstream connection, and the application's attention, until
-/// `upstream.timeout`.
-pub struct StreamedBody {
-    body: Incoming,
-    deadline: tokio::time::Instant,
-    timeout: Duration,
-    // Made on the first wait only: a body that arrived with its head (nearly
-    // every one) costs no timer.
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl StreamedBody {
-    /// `body`, due whole `timeout` after `started`.
-    pub fn new(body: Incoming, started: std::time::Instant, timeout: Duration) -> Self {
-        Self {
-            body,
-            deadline: tokio::time::Instant::from_std(started) + timeout,
-            timeout,
-            timer: None,
-        }
-    }
-}
-
-impl Body for StreamedBody {
-    type Data = Bytes;
-    type Error = SenderBodyError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, SenderBodyError>>> {
-        let this = &mut *self;
-        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
-            return Poll::Ready(frame.map(|frame| {
-                frame.map_err(|error| SenderBodyError::Unreadable(crate::error_chain(&error)))
-            }));
-        }
-        let deadline = this.deadline;
-        let timer = this
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(SenderBodyError::Timeout(this.timeout)))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// An upstream's response body, passed on as it arrives. The upstream must
-/// keep it coming: a wait of `upstream.timeout` for its next piece ends it
-/// with an error, so that an application that sends its headers and then
-/// stalls cannot hold the sender, and an upstream connection, for good.
-#[derive(Debug)]
-pub struct ResponseBody {
-    body: Incoming,
-    timeout: Duration,
-    // Made on the second wait in a row only: a body that arrives with its
-    // head, or right behind it (nearly every one), costs no timer.
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    // A piece arrived since the timer was last set: the next wait starts a
-    // new one.
-    rearm: bool,
-    // The body has been waited for once and the task woken to look again.
-    looked_again: bool,
-}
-
-/// Why an upstream's response body ended before it was whole.
-#[derive(Debug, thiserror::Error)]
-pub enum ResponseBodyError {
-    /// The connection failed, or the body was badly framed.
-    #[error("the upstream's response body failed: {0}")]
-    Upstream(#[from] hyper::Error),
-    /// Nothing more came for `upstream.timeout`.
-    #[error("the upstream's response body stalled for {0:?}")]
-    Stalled(Duration),
-    /// The sender took nothing more of it for `upstream.timeout`.
-    #[error("the sender took no more of the response for {0:?}")]
-    SenderStalled(Duration),
-}
-
-impl ResponseBody {
-    fn new(body: Incoming, timeout: Duration) -> Self {
-        Self {
-            body,
-            timeout,
-            timer: None,
-            rearm: false,
-            looked_again: false,
-        }
-    }
-}
-
-impl Body for ResponseBody {
-    type Data = Bytes;
-    type Error = ResponseBodyError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, ResponseBodyError>>> {
-        let this = &mut *self;
-        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
-            this.rearm = true;
-            let frame = frame.map(|frame| frame.map_err(ResponseBodyError::from));
-            if let Some(Err(error)) = &frame {
-                tracing::warn!(%error, "the upstream's response was cut off on its way to the sender");
-            }
-            return Poll::Ready(frame);
-        }
-        // The piece is most often on its way already, with the connection's
-        // task that has yet to run on this thread: rather than make a timer
-        // (a lock on the runtime's timer wheel, and again to cancel it), the
-        // task is woken to look once more, behind that one.
-        if this.timer.is_none() && !std::mem::replace(&mut this.looked_again, true) {
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        let timeout = this.timeout;
-        let timer = match &mut this.timer {
-            Some(timer) => {
-                if std::mem::take(&mut this.rearm) {
-                    timer.as_mut().reset(tokio::time::Instant::now() + timeout);
-                }
-                timer
-            }
-            None => this.timer.insert(Box::pin(tokio::time::sleep(timeout))),
-        };
-        match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                let error = ResponseBodyError::Stalled(timeout);
-                tracing::warn!(%error, "the upstream's response was cut off on its way to the sender");
-                Poll::Ready(Some(Err(error)))
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
 }
 
 /// How long a kept-alive upstream connection may sit unused.
