@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
+mod http2_connection;
 mod sender_stall;
 mod serving;
 mod timer;
