@@ -1,7 +1,8 @@
 //! Claims and settles coalesced into multi-row statements: the queues, the
-//! rounds that keep a key out of a statement twice, the take-back of keys a
-//! claim found failed or expired, and a refused statement retried key by key
-//! so that it fails only its own requests.
+//! rounds that keep a key out of a statement twice, a refused statement
+//! retried key by key so that it fails only its own requests, and the
+//! settles. The claims, with the take-back of keys a claim found failed or
+//! expired, are in `batch/claim.rs`.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -9,12 +10,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use tokio_postgres::Row;
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::Type;
+
+mod claim;
 
 use super::sql::Statements;
 use super::{Connection, Params, Session, postgres_error};
-use crate::store::coalesce::{Coalescer, Lane, Limits, Outcome};
-use crate::store::{Claim, ClaimRequest, Fence, Settlement, StoreError, WonFrom};
+use crate::store::coalesce::{Coalescer, Limits, Outcome};
+use crate::store::{Claim, ClaimRequest, Fence, Settlement, StoreError};
 
 /// The coalescing queues, started on first use (they need a runtime).
 pub(super) struct Batches {
@@ -180,59 +183,6 @@ struct BatchRunner {
 }
 
 impl BatchRunner {
-    /// Claims a batch. A key queued twice is claimed again in a later round,
-    /// after the first claim's outcome is committed, since one statement
-    /// cannot decide the same key twice.
-    ///
-    /// A batch goes to the connection of the claim batches still at the
-    /// database, pipelined behind them (see `Lane::Behind`), or to a new one
-    /// when none is; under a load of new keys one batch is out at a time, so
-    /// each takes a connection from the pool. A batch beside a stalled one
-    /// takes its own.
-    async fn claim_batch(
-        mut self,
-        requests: Vec<ClaimRequest>,
-        lane: Lane,
-    ) -> Vec<Result<Claim, StoreError>> {
-        if lane != Lane::Beside {
-            match self.session.pipeline().await {
-                Ok(connection) => self.connection = Some(connection),
-                Err(error) => return vec![Err(error); requests.len()],
-            }
-        }
-        self.claim_rounds(&requests).await
-    }
-
-    async fn claim_rounds(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
-        let mut claims: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
-        for round in rounds(requests, |r| (&r.source, &r.key)) {
-            let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
-            for (slot, claim) in round.iter().zip(self.isolated(&round_requests).await) {
-                claims[*slot] = Some(claim.and_then(std::convert::identity));
-            }
-        }
-        let claims: Vec<Result<Claim, StoreError>> = claims
-            .into_iter()
-            .map(|claim| claim.expect("every key claimed"))
-            .collect();
-        let inserted = claims
-            .iter()
-            .filter(|claim| {
-                matches!(
-                    claim,
-                    Ok(Claim::Won {
-                        from: WonFrom::New,
-                        ..
-                    })
-                )
-            })
-            .count();
-        if inserted > 0 && self.session.growth.add(inserted as u64) {
-            tokio::spawn(analyze(Arc::clone(&self.session), Arc::clone(&self.sql)));
-        }
-        claims
-    }
-
     /// Runs a claim or settle statement on the batch's connection, or on one
     /// from the pool.
     async fn query(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
@@ -257,151 +207,6 @@ impl BatchRunner {
                 outcomes
             }
             Err(error) => vec![Err(error); requests.len()],
-        }
-    }
-
-    /// Claims the round's keys. Its new keys are decided, and committed, by
-    /// the claim statement; what happens to keys it found failed or expired
-    /// (taken back by a statement of their own) cannot undo that, so the
-    /// round's result is per key.
-    async fn claim_round(
-        &self,
-        requests: &[&ClaimRequest],
-    ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
-        let rows = match requests {
-            [one] => {
-                let params: &Params<'_> = &[
-                    (&&*one.source, Type::TEXT),
-                    (&one.key, Type::TEXT),
-                    (&&one.payload_sha256[..], Type::BYTEA),
-                    (&lease_ms(one), Type::INT8),
-                    (&one.reject_mismatch, Type::BOOL),
-                ];
-                self.query(&self.sql.claim_one, params).await?
-            }
-            _ => {
-                let columns = ClaimColumns::of(requests);
-                self.query(&self.sql.claim, &columns.params()).await?
-            }
-        };
-        let mut claims = vec![None; requests.len()];
-        let mut unseen = Vec::new();
-        let mut retakable = Vec::new();
-        for row in &rows {
-            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            if let Some(slot) = claims.get_mut(index) {
-                if lost_to_an_unseen_row(row) {
-                    unseen.push(index);
-                }
-                if row.get::<_, bool>(6) {
-                    retakable.push(index);
-                }
-                *slot = Some(Ok(claim_from_row(row, &requests[index].payload_sha256)));
-            }
-        }
-        if !unseen.is_empty() {
-            self.recheck_lost(requests, &unseen, &mut claims).await;
-        }
-        if !retakable.is_empty() {
-            self.take_back(requests, &retakable, &mut claims).await;
-        }
-        Ok(claims
-            .into_iter()
-            .map(|claim| {
-                claim.unwrap_or_else(|| {
-                    Err(StoreError::Postgres("a claim got no result row".into()))
-                })
-            })
-            .collect())
-    }
-
-    /// Takes back the keys the claim statement found failed or expired. A
-    /// key another replica took first stays in flight, as the claim found
-    /// it; a refused statement is retried key by key, so a key that cannot
-    /// be taken back fails alone.
-    async fn take_back(
-        &self,
-        requests: &[&ClaimRequest],
-        retakable: &[usize],
-        claims: &mut [Option<Result<Claim, StoreError>>],
-    ) {
-        // Its row locks may wait on another transaction, and claims sent
-        // behind it would wait too: later batches go to another connection.
-        if let Some(connection) = &self.connection {
-            self.session.withdraw(connection);
-        }
-        let take_backs: Vec<TakeBack<'_>> =
-            retakable.iter().map(|&i| TakeBack(requests[i])).collect();
-        let take_backs: Vec<&TakeBack<'_>> = take_backs.iter().collect();
-        for (&index, taken) in retakable.iter().zip(self.isolated(&take_backs).await) {
-            match taken {
-                Ok(Some(won)) => claims[index] = Some(Ok(won)),
-                Ok(None) => {}
-                Err(error) => claims[index] = Some(Err(error)),
-            }
-        }
-    }
-
-    async fn retake_round(
-        &self,
-        take_backs: &[&TakeBack<'_>],
-    ) -> Result<Vec<Option<Claim>>, StoreError> {
-        let requests: Vec<&ClaimRequest> = take_backs.iter().map(|take_back| take_back.0).collect();
-        let columns = ClaimColumns::of(&requests);
-        let rows = self.query(&self.sql.retake, &columns.params()).await?;
-        let mut taken = vec![None; requests.len()];
-        for row in &rows {
-            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            if let Some(slot) = taken.get_mut(index) {
-                let from = match row.get(3) {
-                    "processing" => WonFrom::ExpiredLease,
-                    _ => WonFrom::Failed,
-                };
-                *slot = Some(Claim::Won {
-                    fence: Fence {
-                        attempt: row.get(1),
-                        claimed_at: row.get(4),
-                    },
-                    from,
-                    payload_mismatch: differs(row.get(2), &requests[index].payload_sha256),
-                });
-            }
-        }
-        Ok(taken)
-    }
-
-    /// A claim that lost to a row inserted by a concurrent claim committed
-    /// after its snapshot saw no row to take the payload hash (or status)
-    /// from: it waited for that insert, then left the key alone. A new
-    /// statement sees the row, so a different body still counts as a
-    /// mismatch. The claim is decided and committed either way; if this read
-    /// fails, the key is answered in flight without the body check.
-    async fn recheck_lost(
-        &self,
-        requests: &[&ClaimRequest],
-        unseen: &[usize],
-        claims: &mut [Option<Result<Claim, StoreError>>],
-    ) {
-        let sources: Vec<&str> = unseen.iter().map(|&i| &*requests[i].source).collect();
-        let keys: Vec<&str> = unseen.iter().map(|&i| requests[i].key.as_str()).collect();
-        let params: &Params<'_> = &[(&sources, Type::TEXT_ARRAY), (&keys, Type::TEXT_ARRAY)];
-        let rows = match self.query(&self.sql.recheck, params).await {
-            Ok(rows) => rows,
-            Err(error) => {
-                tracing::warn!(%error, "cannot re-read keys claimed concurrently; answered in flight without comparing their bodies");
-                return;
-            }
-        };
-        for row in &rows {
-            let ord = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            let Some(&index) = unseen.get(ord) else {
-                continue;
-            };
-            claims[index] = Some(Ok(lost_claim(
-                row.get(1),
-                row.get(3),
-                differs(row.get(2), &requests[index].payload_sha256),
-            )));
         }
     }
 
@@ -488,64 +293,6 @@ trait Round: Sized {
     ) -> Result<Vec<Self::Outcome>, StoreError>;
 }
 
-impl Round for ClaimRequest {
-    type Outcome = Result<Claim, StoreError>;
-
-    async fn run(
-        runner: &BatchRunner,
-        requests: &[&Self],
-    ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
-        runner.claim_round(requests).await
-    }
-}
-
-/// A claim for a key the claim statement found failed or expired; its
-/// outcome is the won claim, or none if the key was not there to take.
-struct TakeBack<'a>(&'a ClaimRequest);
-
-impl Round for TakeBack<'_> {
-    type Outcome = Option<Claim>;
-
-    async fn run(
-        runner: &BatchRunner,
-        requests: &[&Self],
-    ) -> Result<Vec<Option<Claim>>, StoreError> {
-        runner.retake_round(requests).await
-    }
-}
-
-/// A batch of claims as the columns the claim and take-back statements
-/// unnest.
-struct ClaimColumns<'a> {
-    sources: Vec<&'a str>,
-    keys: Vec<&'a str>,
-    hashes: Vec<&'a [u8]>,
-    leases: Vec<i64>,
-    rejects: Vec<bool>,
-}
-
-impl<'a> ClaimColumns<'a> {
-    fn of(requests: &[&'a ClaimRequest]) -> Self {
-        Self {
-            sources: requests.iter().map(|r| &*r.source).collect(),
-            keys: requests.iter().map(|r| r.key.as_str()).collect(),
-            hashes: requests.iter().map(|r| &r.payload_sha256[..]).collect(),
-            leases: requests.iter().map(|r| lease_ms(r)).collect(),
-            rejects: requests.iter().map(|r| r.reject_mismatch).collect(),
-        }
-    }
-
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 5] {
-        [
-            (&self.sources, Type::TEXT_ARRAY),
-            (&self.keys, Type::TEXT_ARRAY),
-            (&self.hashes, Type::BYTEA_ARRAY),
-            (&self.leases, Type::INT8_ARRAY),
-            (&self.rejects, Type::BOOL_ARRAY),
-        ]
-    }
-}
-
 impl Round for SettleRequest {
     type Outcome = bool;
 
@@ -573,56 +320,11 @@ async fn analyze(session: Arc<Session>, sql: Arc<Statements>) {
     }
 }
 
-fn lease_ms(request: &ClaimRequest) -> i64 {
-    i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX)
-}
-
 fn response_status(request: &SettleRequest) -> Option<i16> {
     request
         .settlement
         .response_status
         .map(|status| i16::try_from(status).unwrap_or(i16::MAX))
-}
-
-/// A claim statement's row: the claim statement wins only by inserting,
-/// so a won key was new (taking back is `retake_round`'s).
-fn claim_from_row(row: &Row, payload_sha256: &[u8; 32]) -> Claim {
-    let payload_mismatch = differs(row.get(3), payload_sha256);
-    if row.get::<_, bool>(1) {
-        Claim::Won {
-            fence: Fence {
-                attempt: row.get(2),
-                claimed_at: row.get(7),
-            },
-            from: WonFrom::New,
-            payload_mismatch,
-        }
-    } else {
-        lost_claim(row.get(4), row.get(5), payload_mismatch)
-    }
-}
-
-/// Whether the body stored with a key differs from this delivery's.
-fn differs(stored_sha: Option<&[u8]>, payload_sha256: &[u8; 32]) -> bool {
-    stored_sha.is_some_and(|stored| stored != payload_sha256)
-}
-
-/// A claim that did not win, by the status of the row that beat it.
-fn lost_claim(status: Option<&str>, age_seconds: f64, payload_mismatch: bool) -> Claim {
-    match status {
-        Some("done") => Claim::Done {
-            age: Duration::from_secs_f64(age_seconds.max(0.0)),
-            payload_mismatch,
-        },
-        _ => Claim::InFlight { payload_mismatch },
-    }
-}
-
-/// Whether a claim lost to a row its statement's snapshot did not hold.
-fn lost_to_an_unseen_row(row: &Row) -> bool {
-    let won: bool = row.get(1);
-    let prior_status: Option<&str> = row.get(4);
-    !won && prior_status.is_none()
 }
 
 #[cfg(test)]
