@@ -3,24 +3,24 @@
 //! Holds no session state between transactions, so it works through a
 //! transaction-pooling PgBouncer: named prepared statements only for the
 //! claim and the settle, and only while they work (see [`Params`]). The
-//! statements are in `postgres/sql.rs`, their coalescing into batches in
+//! statements are in `postgres/sql.rs`, how they are sent in
+//! `postgres/session.rs`, their coalescing into batches in
 //! `postgres/batch.rs`, the operator's statements in `postgres/keys.rs`.
 
 mod batch;
 mod home;
 mod keys;
+mod session;
 mod sql;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use deadpool_postgres::{
-    Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime, TimeoutType,
-};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::Type;
 
 use super::{
     Backend, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
@@ -30,6 +30,7 @@ use crate::config::StoreConfig;
 use crate::error_chain;
 use batch::{Batches, Growth, SettleRequest};
 use home::{Home, HomeConnect};
+use session::{Params, Session, instance};
 use sql::Statements;
 
 /// Claims recorded in PostgreSQL.
@@ -46,25 +47,6 @@ pub struct PostgresStore {
 
 /// A pooled connection, given back to the pool when dropped.
 type Connection = deadpool_postgres::Object;
-
-/// The pool and how statements are sent through it, shared with the batches.
-struct Session {
-    pool: Pool,
-    /// The connection of the claim batches at the database, while any is;
-    /// it goes back to the pool with the last of them.
-    pipeline: Mutex<Weak<Connection>>,
-    statement_cache: bool,
-    /// Set when named statements turned out not to survive the way to the
-    /// server; every statement is unnamed from then on.
-    named_statements_lost: AtomicBool,
-    /// The last parameter of every claim and settle statement (see
-    /// `sql::Statements`).
-    instance: String,
-    growth: Growth,
-    /// The server as errors name it: where it is, not who connects to it
-    /// (a `/readyz` body may travel further than a log line).
-    server: String,
-}
 
 impl PostgresStore {
     /// A pool for `url`; connections are made on first use.
@@ -187,177 +169,6 @@ impl PostgresStore {
             _ => postgres_error(error),
         }
     }
-}
-
-impl Session {
-    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        self.pool.get().await.map_err(|error| {
-            let server = &self.server;
-            StoreError::Postgres(match error {
-                // deadpool words these as a pool of "objects".
-                PoolError::Backend(error) => {
-                    let said = error_chain(&error);
-                    // tokio-postgres's words for a server that is read-only
-                    // (`target_session_attrs=read-write`, the default).
-                    let hint = if said.contains("database does not allow writes") {
-                        " (a standby, or a server read-only by default: point store.url at the primary, or list every server, postgres://host1,host2/db, and the proxy takes the one that accepts writes)"
-                    } else {
-                        ""
-                    };
-                    format!("cannot connect to {server}: {said}{hint}")
-                }
-                PoolError::Timeout(TimeoutType::Create) => {
-                    format!("cannot connect to {server}: timed out")
-                }
-                PoolError::Timeout(TimeoutType::Wait) => {
-                    format!("no connection to {server} came free in time")
-                }
-                other => format!("{server}: {}", error_chain(&other)),
-            })
-        })
-    }
-
-    /// The connection claim batches are pipelined on: the one the batches
-    /// still at the database use, or, when none is, a new one from the pool.
-    async fn pipeline(&self) -> Result<Arc<Connection>, StoreError> {
-        let shared = self.pipeline_slot().upgrade();
-        if let Some(connection) = shared.filter(|connection| !connection.is_closed()) {
-            return Ok(connection);
-        }
-        let connection = Arc::new(self.client().await?);
-        *self.pipeline_slot() = Arc::downgrade(&connection);
-        Ok(connection)
-    }
-
-    /// Pipelines no more claims on `connection` (if they still go to it).
-    fn withdraw(&self, connection: &Arc<Connection>) {
-        let mut pipeline = self.pipeline_slot();
-        if std::ptr::eq(pipeline.as_ptr(), Arc::as_ptr(connection)) {
-            *pipeline = Weak::new();
-        }
-    }
-
-    fn pipeline_slot(&self) -> MutexGuard<'_, Weak<Connection>> {
-        self.pipeline.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Runs a claim or settle statement on a connection from the pool.
-    async fn query(&self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, StoreError> {
-        self.query_on(&self.client().await?, sql, params).await
-    }
-
-    /// Runs a claim or settle statement on `client`: a cached named
-    /// statement, or with `statement_cache: false` (or once named statements
-    /// were lost) an unnamed one. `params` are the statement's own; the
-    /// guard's (this process's instance) is added last.
-    async fn query_on(
-        &self,
-        client: &Connection,
-        sql: &str,
-        params: &Params<'_>,
-    ) -> Result<Vec<Row>, StoreError> {
-        let mut guarded = params.to_vec();
-        guarded.push((&self.instance, Type::TEXT));
-        let params = &guarded[..];
-        if self.named_statements() {
-            let named = async {
-                let statement = client.prepare_typed_cached(sql, &types(params)).await?;
-                client.query(&statement, &values(params)).await
-            };
-            match named.await {
-                Err(error) if lost_named_statement(&error) => self.lose_named_statements(&error),
-                // A column's type changed under the statement (ALTER TABLE),
-                // and PostgreSQL will not plan it again with another result
-                // type: it is prepared anew next time, and runs unnamed now.
-                Err(error) if result_type_changed(&error) => {
-                    client.statement_cache.remove(sql, &types(params));
-                }
-                rows => return rows.map_err(postgres_error),
-            }
-        }
-        client
-            .query_typed(sql, params)
-            .await
-            .map_err(postgres_error)
-    }
-
-    fn named_statements(&self) -> bool {
-        self.statement_cache && !self.named_statements_lost.load(Ordering::Relaxed)
-    }
-
-    fn lose_named_statements(&self, error: &tokio_postgres::Error) {
-        if !self.named_statements_lost.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                error = error_chain(error),
-                "named prepared statements do not survive the way to the server (a \
-                 transaction-pooling PgBouncer older than 1.21?); using unnamed statements \
-                 from now on: set store.statement_cache: false"
-            );
-        }
-    }
-}
-
-/// Whether the error says a named statement was not on the server connection
-/// the statement reached, or another statement had its name there: what a
-/// transaction pooler that does not track prepared statements does to them.
-/// Another process's statement under the name refuses these parameters when
-/// they do not decode as its own (bad binary data, array or parameter count),
-/// and its guard refuses them when they do (division by zero; see
-/// `sql::Statements`). Either way nothing ran, and the statement is safely
-/// run again unnamed. Our own statements, given the parameters they were
-/// prepared for, raise none of these.
-fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
-    [
-        SqlState::INVALID_SQL_STATEMENT_NAME,
-        SqlState::DUPLICATE_PSTATEMENT,
-        SqlState::PROTOCOL_VIOLATION,
-        SqlState::DIVISION_BY_ZERO,
-        SqlState::INVALID_BINARY_REPRESENTATION,
-        SqlState::DATATYPE_MISMATCH,
-        SqlState::PROGRAM_LIMIT_EXCEEDED,
-    ]
-    .iter()
-    .any(|code| error.code() == Some(code))
-}
-
-/// Whether a cached statement was refused because the table it reads
-/// changed the type of a column it returns.
-fn result_type_changed(error: &tokio_postgres::Error) -> bool {
-    error.as_db_error().is_some_and(|db| {
-        db.code() == &SqlState::FEATURE_NOT_SUPPORTED
-            && db.message() == "cached plan must not change result type"
-    })
-}
-
-/// This process's instance, for the statements' guard: random, so that no
-/// two processes share one.
-fn instance() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    // Each RandomState is keyed from the operating system's randomness.
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u32(std::process::id());
-    format!("{:016x}", hasher.finish())
-}
-
-/// A statement's parameters with their types.
-///
-/// Given the types, an unnamed statement is parsed, bound and run in one
-/// round trip, so it never leaves the server connection it started on. That
-/// is the only form a transaction-pooling PgBouncer without prepared
-/// statement support (before 1.21) can carry: it may run each round trip on
-/// another server connection, where a named statement prepared in an earlier
-/// one does not exist, or another client's statement has the same name.
-/// Statements inside transactions and the operator's statements are always
-/// unnamed; `statement_cache` chooses for the claim and the settle, and a
-/// named statement that turns out lost switches the store to unnamed ones.
-pub(super) type Params<'a> = [(&'a (dyn ToSql + Sync), Type)];
-
-fn types(params: &Params<'_>) -> Vec<Type> {
-    params.iter().map(|(_, ty)| ty.clone()).collect()
-}
-
-fn values<'a>(params: &'a Params<'a>) -> Vec<&'a (dyn ToSql + Sync)> {
-    params.iter().map(|(value, _)| *value).collect()
 }
 
 impl Backend for PostgresStore {

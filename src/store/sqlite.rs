@@ -1,22 +1,27 @@
 //! The embedded SQLite backend for a single replica: one connection owned by
 //! a dedicated thread (SQLite has one writer at a time anyway), WAL with
-//! synchronous commits. Times are stored as Unix milliseconds. The operator's
-//! statements are in `sqlite/keys.rs`.
+//! synchronous commits. Times are stored as Unix milliseconds. The request
+//! path's statements are in `sqlite/sql.rs`, the operator's in
+//! `sqlite/keys.rs`, and opening the file in `sqlite/file.rs`.
 
+mod file;
 mod keys;
+mod sql;
 
 use std::path::Path;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
+use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use super::{
-    Backend, COLUMNS, Claim, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, PendingClaim,
-    PruneBatch, PruneGroup, Release, Settlement, StoreError, WonFrom, sql_identifier,
+    Backend, Claim, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
+    PruneGroup, Release, Settlement, StoreError, WonFrom,
 };
 use crate::config::StoreConfig;
+use file::{OpenedFile, creatable, open_connection, writable};
+use sql::Statements;
 
 /// Work for the store's thread.
 enum Job {
@@ -44,70 +49,6 @@ pub struct SqliteStore {
     table: String,
     sql: Statements,
     keys: Arc<keys::Statements>,
-}
-
-struct Statements {
-    migrate: String,
-    prior: String,
-    claim: String,
-    settle: String,
-    /// Reads nothing from the table: fails if it does not exist or lacks a
-    /// column.
-    probe: String,
-}
-
-impl Statements {
-    fn new(table_name: &str) -> Self {
-        let index = sql_identifier(&format!("{table_name}_received_at_idx"));
-        let table = sql_identifier(table_name);
-        Self {
-            migrate: format!(
-                "CREATE TABLE IF NOT EXISTS {table} (
-                   source           TEXT    NOT NULL,
-                   event_id         TEXT    NOT NULL,
-                   status           TEXT    NOT NULL CHECK (status IN ('processing','done','failed')),
-                   attempts         INTEGER NOT NULL DEFAULT 1,
-                   payload_sha256   BLOB,
-                   response_status  INTEGER,
-                   received_at      INTEGER NOT NULL,
-                   claimed_at       INTEGER NOT NULL,
-                   lease_expires_at INTEGER,
-                   completed_at     INTEGER,
-                   PRIMARY KEY (source, event_id)
-                 ) WITHOUT ROWID;
-                 CREATE INDEX IF NOT EXISTS {index} ON {table} (received_at);"
-            ),
-            prior: format!(
-                "SELECT status, payload_sha256, received_at FROM {table}
-                  WHERE source = ?1 AND event_id = ?2"
-            ),
-            claim: format!(
-                "INSERT INTO {table} (source, event_id, status, attempts, payload_sha256,
-                                      received_at, claimed_at, lease_expires_at)
-                 VALUES (?1, ?2, 'processing', 1, ?3, ?4, ?4, ?5)
-                 ON CONFLICT (source, event_id) DO UPDATE
-                    SET status = 'processing', attempts = attempts + 1,
-                        claimed_at = excluded.claimed_at,
-                        lease_expires_at = excluded.lease_expires_at,
-                        response_status = NULL, completed_at = NULL
-                  WHERE (status = 'failed'
-                         OR (status = 'processing' AND lease_expires_at <= excluded.claimed_at))
-                    AND (NOT ?6 OR payload_sha256 IS NULL
-                         OR payload_sha256 = excluded.payload_sha256)
-                 RETURNING attempts"
-            ),
-            // Fenced as PostgreSQL's is (see `Fence`): a `done` may also
-            // land on its own attempt's release.
-            settle: format!(
-                "UPDATE {table}
-                    SET status = ?5, response_status = ?6, completed_at = ?7, lease_expires_at = NULL
-                  WHERE source = ?1 AND event_id = ?2 AND attempts = ?3 AND claimed_at = ?4
-                    AND (status = 'processing'
-                         OR (status = 'failed' AND response_status IS NULL AND ?5 = 'done'))"
-            ),
-            probe: format!("SELECT {COLUMNS} FROM {table} LIMIT 0"),
-        }
-    }
 }
 
 struct Prior {
@@ -329,97 +270,6 @@ fn sqlite_error(error: rusqlite::Error) -> StoreError {
     }
 }
 
-/// Why the file at `path` could not be created, if it could not.
-fn creatable(path: &str) -> Result<(), String> {
-    let dir = match Path::new(path).parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    };
-    match dir.try_exists() {
-        Ok(true) if !dir.is_dir() => Err(format!("{} is not a directory", dir.display())),
-        Ok(true) => can_create_in(dir).map_err(|error| format!("{error} (in {})", dir.display())),
-        Ok(false) => Err(format!("the directory {} does not exist", dir.display())),
-        Err(error) => Err(format!("{error} (in {})", dir.display())),
-    }
-}
-
-/// Whether a file can be created in `dir`, found by creating one (and
-/// removing it): permissions, a read-only mount and a full quota all count,
-/// whoever the process runs as.
-fn can_create_in(dir: &Path) -> std::io::Result<()> {
-    let probe = dir.join(format!(".dedupe-proxy-check-{}", std::process::id()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)?;
-    std::fs::remove_file(&probe)
-}
-
-fn open_connection(
-    path: &Path,
-    busy_timeout: Duration,
-    create: bool,
-) -> rusqlite::Result<Connection> {
-    // A path, never a `file:` URI: the URL was checked to be a plain file.
-    let mut flags = OpenFlags::default() - OpenFlags::SQLITE_OPEN_URI;
-    if !create {
-        flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
-    }
-    let connection = Connection::open_with_flags(path, flags)?;
-    connection.busy_timeout(busy_timeout)?;
-    connection.pragma_update(None, "journal_mode", "WAL")?;
-    // FULL: a commit is on disk before the claim is answered, as in PostgreSQL.
-    connection.pragma_update(None, "synchronous", "FULL")?;
-    // A reader that holds a transaction open (a backup, an `sqlite3` session)
-    // keeps the log from being checkpointed back to its start, so it grows
-    // for as long as that lasts; without a limit it keeps that size for good.
-    connection.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
-    Ok(connection)
-}
-
-/// A file as it was opened: its path and which file that path named.
-struct OpenedFile {
-    path: String,
-    identity: (u64, u64),
-}
-
-impl OpenedFile {
-    fn at(path: String) -> Option<Self> {
-        let identity = identity(&path)?;
-        Some(Self { path, identity })
-    }
-
-    /// Whether the path still names the file that was opened.
-    fn still_there(&self) -> bool {
-        identity(&self.path) == Some(self.identity)
-    }
-}
-
-fn identity(path: &str) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path)
-        .ok()
-        .map(|metadata| (metadata.dev(), metadata.ino()))
-}
-
-/// What the write-ahead log is cut back to once a checkpoint empties it:
-/// far above the 4 MiB it reaches between SQLite's automatic checkpoints, so
-/// that it is not cut and regrown in the normal course.
-const WAL_SIZE_LIMIT: i64 = 64 << 20;
-
-/// SQLite opens a file it may not write to read-only without a word, and
-/// every claim would then fail; taking the write lock, as a claim would,
-/// finds that out at start-up.
-fn writable(connection: &Connection) -> rusqlite::Result<()> {
-    if connection.is_readonly(rusqlite::MAIN_DB)? {
-        return Err(rusqlite::Error::SqliteFailure(
-            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
-            Some("the database is read-only to this process".into()),
-        ));
-    }
-    connection.execute_batch("BEGIN IMMEDIATE; ROLLBACK")
-}
-
 fn now_ms() -> i64 {
     ms_since_epoch(SystemTime::now())
 }
@@ -583,27 +433,5 @@ fn classify(won: Option<i32>, prior: Option<Prior>, payload_sha256: &[u8; 32], n
             payload_mismatch,
         },
         (None, _) => Claim::InFlight { payload_mismatch },
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_file_opened_read_only_is_found_out_and_the_log_is_capped() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("dedupe.db");
-        let connection = open_connection(&path, Duration::from_secs(1), true).unwrap();
-        writable(&connection).unwrap();
-        let limit: i64 = connection
-            .pragma_query_value(None, "journal_size_limit", |row| row.get(0))
-            .unwrap();
-        assert_eq!(limit, WAL_SIZE_LIMIT);
-        // What SQLite falls back to for a file this process may not write.
-        let read_only =
-            Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
-        let refused = writable(&read_only).unwrap_err();
-        assert!(refused.to_string().contains("read-only"), "{refused}");
     }
 }

@@ -612,7 +612,7 @@ mod tests {
                     Some(&SqlState::DIVISION_BY_ZERO),
                     "{name}, {plan}: {refused}"
                 );
-                assert!(super::super::lost_named_statement(&refused));
+                assert!(super::super::session::lost_named_statement(&refused));
                 assert_eq!(snapshot().await, before, "{name}, {plan}: nothing changed");
                 for _ in 0..6 {
                     run(&harmless, "fedcba9876543210").await.unwrap();

@@ -1,0 +1,121 @@
+//! The database file: whether it can be created, opening it as the store
+//! needs it (WAL, synchronous commits, writable), and noticing it deleted or
+//! replaced under the running process.
+
+use std::path::Path;
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags};
+
+/// Why the file at `path` could not be created, if it could not.
+pub(super) fn creatable(path: &str) -> Result<(), String> {
+    let dir = match Path::new(path).parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    match dir.try_exists() {
+        Ok(true) if !dir.is_dir() => Err(format!("{} is not a directory", dir.display())),
+        Ok(true) => can_create_in(dir).map_err(|error| format!("{error} (in {})", dir.display())),
+        Ok(false) => Err(format!("the directory {} does not exist", dir.display())),
+        Err(error) => Err(format!("{error} (in {})", dir.display())),
+    }
+}
+
+/// Whether a file can be created in `dir`, found by creating one (and
+/// removing it): permissions, a read-only mount and a full quota all count,
+/// whoever the process runs as.
+fn can_create_in(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(format!(".dedupe-proxy-check-{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)?;
+    std::fs::remove_file(&probe)
+}
+
+pub(super) fn open_connection(
+    path: &Path,
+    busy_timeout: Duration,
+    create: bool,
+) -> rusqlite::Result<Connection> {
+    // A path, never a `file:` URI: the URL was checked to be a plain file.
+    let mut flags = OpenFlags::default() - OpenFlags::SQLITE_OPEN_URI;
+    if !create {
+        flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
+    }
+    let connection = Connection::open_with_flags(path, flags)?;
+    connection.busy_timeout(busy_timeout)?;
+    connection.pragma_update(None, "journal_mode", "WAL")?;
+    // FULL: a commit is on disk before the claim is answered, as in PostgreSQL.
+    connection.pragma_update(None, "synchronous", "FULL")?;
+    // A reader that holds a transaction open (a backup, an `sqlite3` session)
+    // keeps the log from being checkpointed back to its start, so it grows
+    // for as long as that lasts; without a limit it keeps that size for good.
+    connection.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
+    Ok(connection)
+}
+
+/// A file as it was opened: its path and which file that path named.
+pub(super) struct OpenedFile {
+    pub(super) path: String,
+    identity: (u64, u64),
+}
+
+impl OpenedFile {
+    pub(super) fn at(path: String) -> Option<Self> {
+        let identity = identity(&path)?;
+        Some(Self { path, identity })
+    }
+
+    /// Whether the path still names the file that was opened.
+    pub(super) fn still_there(&self) -> bool {
+        identity(&self.path) == Some(self.identity)
+    }
+}
+
+fn identity(path: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .ok()
+        .map(|metadata| (metadata.dev(), metadata.ino()))
+}
+
+/// What the write-ahead log is cut back to once a checkpoint empties it:
+/// far above the 4 MiB it reaches between SQLite's automatic checkpoints, so
+/// that it is not cut and regrown in the normal course.
+const WAL_SIZE_LIMIT: i64 = 64 << 20;
+
+/// SQLite opens a file it may not write to read-only without a word, and
+/// every claim would then fail; taking the write lock, as a claim would,
+/// finds that out at start-up.
+pub(super) fn writable(connection: &Connection) -> rusqlite::Result<()> {
+    if connection.is_readonly(rusqlite::MAIN_DB)? {
+        return Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
+            Some("the database is read-only to this process".into()),
+        ));
+    }
+    connection.execute_batch("BEGIN IMMEDIATE; ROLLBACK")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_opened_read_only_is_found_out_and_the_log_is_capped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dedupe.db");
+        let connection = open_connection(&path, Duration::from_secs(1), true).unwrap();
+        writable(&connection).unwrap();
+        let limit: i64 = connection
+            .pragma_query_value(None, "journal_size_limit", |row| row.get(0))
+            .unwrap();
+        assert_eq!(limit, WAL_SIZE_LIMIT);
+        // What SQLite falls back to for a file this process may not write.
+        let read_only =
+            Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        let refused = writable(&read_only).unwrap_err();
+        assert!(refused.to_string().contains("read-only"), "{refused}");
+    }
+}
