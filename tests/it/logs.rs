@@ -265,11 +265,13 @@ async fn rust_log_wins_over_the_configured_log_level() {
     };
 
     let mut configured = ProxyProcess::start_with_configured_log_level(&config).await;
+    configured.wait_ready().await;
     assert_eq!(deliver(&configured, "evt_a").await.outcome(), "forwarded");
     configured.terminate();
     assert_eq!(webhook_lines(&configured.all_log_lines().await), 0);
 
     let mut overridden = ProxyProcess::start_with_log_filter(&config, "info").await;
+    overridden.wait_ready().await;
     assert_eq!(deliver(&overridden, "evt_b").await.outcome(), "forwarded");
     overridden.terminate();
     assert_eq!(webhook_lines(&overridden.all_log_lines().await), 1);
@@ -279,6 +281,7 @@ async fn rust_log_wins_over_the_configured_log_level() {
     // so turn off every line, the start-up line (readiness) included.
     for (filter, key) in [("info,[unclosed", "evt_c"), ("warning", "evt_d")] {
         let mut unusable = ProxyProcess::start_with_log_filter(&config, filter).await;
+        unusable.wait_ready().await;
         assert_eq!(deliver(&unusable, key).await.outcome(), "forwarded");
         unusable.terminate();
         let lines = unusable.all_log_lines().await;
