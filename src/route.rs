@@ -319,9 +319,9 @@ impl Routes {
     }
 
     /// Whether a request names another route than the one it matched, the
-    /// way an application may read its path (see [`canonical_form`]:
+    /// way an application may read its path (see `canonical_form`:
     /// `/Hooks/Orders/`, `/hooks/%6Frders`, `//hooks/./orders`, and
-    /// [`without_format`]: `/hooks/orders.json`): another route's path, or a
+    /// `without_format`: `/hooks/orders.json`): another route's path, or a
     /// path under another route's prefix, with one of that route's methods in
     /// any letter case. Forwarded as matched or unmatched, such a request
     /// could reach that route's handler in the application without its

@@ -3,7 +3,7 @@
 //! backends keep the same table and the same semantics; the atomic decision
 //! (who owns a key) is always one `INSERT … ON CONFLICT … RETURNING`.
 //! The operator's operations (list, show, forget, release, prune) are part of
-//! the same trait, with their types in [`keys`].
+//! the same trait, with their types in `store/keys.rs`.
 
 mod coalesce;
 mod keys;

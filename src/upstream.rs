@@ -285,7 +285,7 @@ const END_TO_END: [&str; 2] = ["host", "x-forwarded-for"];
 
 /// Removes the fields that describe one connection, not the message: the
 /// fixed hop-by-hop set and every field the `Connection` header names
-/// (except [`END_TO_END`] ones).
+/// (except the `END_TO_END` ones: `Host` and `X-Forwarded-For`).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let present = headers
         .keys()

@@ -41,7 +41,7 @@ thread_local! {
 }
 
 /// Makes the calling thread use the connections of `lane` in every
-/// [`Pool`]: each serving thread takes its own.
+/// upstream `Pool`: each serving thread takes its own.
 pub fn use_lane(lane: usize) {
     LANE.with(|current| current.set(lane));
 }
