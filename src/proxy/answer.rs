@@ -1,6 +1,7 @@
 //! Every way a webhook can end, and the one place that turns each into an
 //! HTTP response, an `X-Dedupe-Outcome` value and a metrics outcome label.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use crate::upstream::{ResponseBody, ResponseBodyError, SenderBodyError, UpstreamError};
@@ -8,6 +9,7 @@ use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use serde::Serialize;
 
 /// The response body type of the webhook listener.
 pub type Body = http_body_util::combinators::BoxBody<Bytes, ResponseBodyError>;
@@ -162,9 +164,7 @@ impl Answer {
                 *response.version_mut() = http::Version::HTTP_11;
                 response
             }
-            Answer::Duplicate(status) => {
-                plain(status, "duplicate", "this event was already processed")
-            }
+            Answer::Duplicate(status) => duplicate(status),
             Answer::InFlight(status, retry_after) => with_retry_after(
                 plain(
                     status,
@@ -242,13 +242,31 @@ impl Rejection {
     }
 }
 
+/// A proxy-made answer's body, `{"detail":…,"outcome":…}`.
+#[derive(Serialize)]
+struct Explanation<'a> {
+    detail: &'a str,
+    outcome: &'a str,
+}
+
+fn explanation(outcome: &str, detail: &str) -> Vec<u8> {
+    serde_json::to_vec(&Explanation { detail, outcome }).expect("text serializes")
+}
+
 fn plain(status: StatusCode, outcome: &str, detail: &str) -> Response<Body> {
-    let body = serde_json::json!({ "outcome": outcome, "detail": detail }).to_string();
-    let mut response = Response::new(
-        Full::new(Bytes::from(body))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
+    json_response(status, Bytes::from(explanation(outcome, detail)))
+}
+
+/// The answer to a duplicate: the same body every time, so made once (a
+/// duplicate's answer is most of what a burst of replays costs the proxy).
+fn duplicate(status: StatusCode) -> Response<Body> {
+    static BODY: LazyLock<Vec<u8>> =
+        LazyLock::new(|| explanation("duplicate", "this event was already processed"));
+    json_response(status, Bytes::from_static(BODY.as_slice()))
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response<Body> {
+    let mut response = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
     *response.status_mut() = status;
     response.headers_mut().insert(
         http::header::CONTENT_TYPE,
@@ -319,6 +337,29 @@ mod tests {
         ] {
             let outcome = unmatched.metric_outcome();
             assert!(labels::UNMATCHED_OUTCOMES.contains(&outcome), "{outcome}");
+        }
+    }
+
+    #[tokio::test]
+    async fn proxy_made_answers_explain_themselves_in_json() {
+        let cases = [
+            (
+                Answer::Duplicate(StatusCode::ACCEPTED),
+                202,
+                r#"{"detail":"this event was already processed","outcome":"duplicate"}"#,
+            ),
+            (
+                Answer::Rejected(Rejection::BadRequest(r#"a "quoted" \ detail"#.into())),
+                400,
+                r#"{"detail":"a \"quoted\" \\ detail","outcome":"rejected"}"#,
+            ),
+        ];
+        for (answer, status, body) in cases {
+            let response = answer.into_response();
+            assert_eq!(response.status(), status);
+            assert_eq!(response.headers()["content-type"], "application/json");
+            let sent = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(std::str::from_utf8(&sent).unwrap(), body);
         }
     }
 }
