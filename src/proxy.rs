@@ -191,6 +191,7 @@ impl Proxy {
             .or(route)
             .map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let malformed = malformation(&request);
+        let version = request.version();
         let answer = match Arc::clone(&self.concurrency).try_acquire_owned() {
             _ if let Some(problem) = malformed => {
                 Answer::Rejected(Rejection::BadRequest(problem.into()))
@@ -218,7 +219,7 @@ impl Proxy {
                     // this one closed under its next request.
                     let body_left_unread =
                         matches!(answer, Answer::Rejected(Rejection::TooLarge(_)));
-                    return closing_if(body_left_unread, answer.into_response());
+                    return closing_if(body_left_unread, version, answer.into_response());
                 }
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },
@@ -231,7 +232,7 @@ impl Proxy {
             started,
         );
         // The request's framing is in doubt, so is whatever follows it.
-        closing_if(malformed.is_some(), answer.into_response())
+        closing_if(malformed.is_some(), version, answer.into_response())
     }
 
     /// Counts a request's outcome and writes its log line.
@@ -484,12 +485,18 @@ impl Proxy {
 }
 
 /// The response, with `Connection: close` when the connection cannot carry
-/// another request (hyper then closes it once the response is written).
-fn closing_if(close: bool, mut response: Response<Body>) -> Response<Body> {
+/// another request (hyper then closes it once the response is written). To
+/// an HTTP/1.0 request the response is marked HTTP/1.0 as well: hyper would
+/// otherwise add `keep-alive` beside the `close` for a sender that asked to
+/// keep the connection.
+fn closing_if(close: bool, request: Version, mut response: Response<Body>) -> Response<Body> {
     if close {
         response
             .headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        if request == Version::HTTP_10 {
+            *response.version_mut() = Version::HTTP_10;
+        }
     }
     response
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{Request, header};
-use http_body_util::{BodyExt, Limited};
+use http::{Request, Version, header};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -27,18 +27,24 @@ impl Proxy {
             .headers()
             .get(header::CONTENT_LENGTH)
             .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+        let (parts, mut body) = request.into_parts();
         if declared.is_some_and(|length| length > limit as u64) {
+            // A sender waiting for `100 Continue` is refused before it sends
+            // the body; reading it would ask for it.
+            if !expects_continue(&parts) {
+                self.discard_rest(&parts, body);
+            }
             return Err(Answer::Rejected(Rejection::TooLarge(limit)));
         }
-        let (parts, body) = request.into_parts();
-        let collect = self.collect(Limited::new(body, limit), budget);
+        let collect = self.collect(&mut body, limit, budget);
         match tokio::time::timeout(self.settings.body_read_timeout, collect).await {
-            Ok(Ok(body)) => Ok((parts, body)),
+            Ok(Ok(collected)) => Ok((parts, collected)),
             Ok(Err(Refused::Budget)) => Err(Answer::Unavailable(
                 Unavailable::Overloaded,
                 self.settings.retry_after,
             )),
-            Ok(Err(Refused::Body(error))) if error.is::<http_body_util::LengthLimitError>() => {
+            Ok(Err(Refused::TooLarge)) => {
+                self.discard_rest(&parts, body);
                 Err(Answer::Rejected(Rejection::TooLarge(limit)))
             }
             Ok(Err(Refused::Body(error))) => Err(Answer::Rejected(Rejection::BadRequest(format!(
@@ -48,16 +54,42 @@ impl Proxy {
         }
     }
 
+    /// Reads and drops the rest of a body refused as too large, for at most
+    /// `limits.body_read_timeout`, before its HTTP/1 connection is closed.
+    /// Most clients write the whole body before they read the answer; closed
+    /// under them, the socket refuses their writes and they report a broken
+    /// connection, never the 413. (HTTP/2 ends the stream alone.)
+    fn discard_rest(&self, parts: &Parts, mut body: Incoming) {
+        if parts.version >= Version::HTTP_2 {
+            return;
+        }
+        let timeout = self.settings.body_read_timeout;
+        tokio::spawn(tokio::time::timeout(timeout, async move {
+            while let Some(Ok(_)) = body.frame().await {}
+        }));
+    }
+
+    /// Reads the body whole, up to `limit` bytes; the body is left where it
+    /// stopped.
     async fn collect(
         &self,
-        mut body: Limited<Incoming>,
+        body: &mut Incoming,
+        limit: usize,
         budget: &mut Option<OwnedSemaphorePermit>,
     ) -> Result<Bytes, Refused> {
         let mut chunks = Vec::new();
+        let mut read = 0;
         while let Some(frame) = body.frame().await {
-            let Ok(chunk) = frame.map_err(Refused::Body)?.into_data() else {
+            let Ok(chunk) = frame
+                .map_err(|error| Refused::Body(error.into()))?
+                .into_data()
+            else {
                 continue;
             };
+            read += chunk.len();
+            if read > limit {
+                return Err(Refused::TooLarge);
+            }
             let bytes = u32::try_from(chunk.len()).map_err(|_| Refused::Budget)?;
             let taken = Arc::clone(&self.body_budget)
                 .try_acquire_many_owned(bytes)
@@ -82,4 +114,14 @@ enum Refused {
     Body(Box<dyn std::error::Error + Send + Sync>),
     /// `limits.max_buffered_body_bytes` is taken.
     Budget,
+    /// Longer than `limits.max_body_bytes`.
+    TooLarge,
+}
+
+/// Whether the sender waits for `100 Continue` before it sends the body.
+fn expects_continue(parts: &Parts) -> bool {
+    parts
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|expect| expect.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }

@@ -141,9 +141,11 @@ async fn a_request_refused_for_its_framing_closes_the_connection() {
 }
 
 /// A body refused as too large is not read to its end, so its connection
-/// cannot carry another request: the 413 says `Connection: close` and the
-/// connection closes, whether the body was announced with `Expect:
-/// 100-continue` and never sent, sent whole, or chunked past the limit.
+/// cannot carry another request: the 413 says `Connection: close` (and only
+/// that, to an HTTP/1.0 sender that asked for keep-alive) and the connection
+/// closes, whether the body was announced with `Expect: 100-continue` and
+/// never sent, sent whole, or chunked past the limit. A request refused for
+/// its framing says the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_refused_as_too_large_closes_the_connection() {
     let app = TestApp::spawn(Backend::Sqlite, |config| {
@@ -152,21 +154,73 @@ async fn a_body_refused_as_too_large_closes_the_connection() {
     .await;
     let pipelined = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
     let refused = [
-        "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: big1\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n".to_string(),
-        format!(
+        ("HTTP/1.1 413", "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: big1\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n".to_string()),
+        ("HTTP/1.1 413", format!(
             "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: big2\r\nContent-Length: 1500\r\n\r\n{}{pipelined}",
             "x".repeat(1500)
-        ),
-        format!(
+        )),
+        ("HTTP/1.1 413", format!(
             "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: big3\r\nTransfer-Encoding: chunked\r\n\r\n7d0\r\n{}\r\n0\r\n\r\n{pipelined}",
             "x".repeat(2000)
-        ),
+        )),
+        ("HTTP/1.0 413", format!(
+            "POST /hooks/orders HTTP/1.0\r\nX-Event-Id: big4\r\nConnection: keep-alive\r\nContent-Length: 1500\r\n\r\n{}",
+            "x".repeat(1500)
+        )),
+        ("HTTP/1.0 400", "POST /hooks/orders HTTP/1.0\r\nHost: a/b\r\nX-Event-Id: big5\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\n{}".to_string()),
     ];
-    for request in refused {
+    for (status, request) in refused {
         let answer = only_answer_before_close(&app, &request).await;
-        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.starts_with(status), "{answer}");
         let fields = answer.to_ascii_lowercase();
         assert!(fields.contains("\r\nconnection: close\r\n"), "{answer}");
+        assert!(!fields.contains("keep-alive"), "{answer}");
+    }
+    assert_healthy_and_untouched(&app).await;
+}
+
+/// A sender that writes a body far over the limit whole before it reads the
+/// answer (as most HTTP clients do) gets its 413: the proxy reads and drops
+/// the rest of the body before it closes the connection, so the sender's
+/// writes are not refused by a closed socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_that_writes_a_huge_body_before_reading_gets_its_413() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.limits.max_body_bytes = 1000
+    })
+    .await;
+    let size = 16 << 20;
+    let chunked = format!("{size:x}\r\n");
+    let framings = [
+        (
+            format!(
+                "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: huge1\r\nContent-Length: {size}\r\n\r\n"
+            ),
+            "",
+        ),
+        (
+            format!(
+                "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: huge2\r\nTransfer-Encoding: chunked\r\n\r\n{chunked}"
+            ),
+            "\r\n0\r\n\r\n",
+        ),
+    ];
+    for (head, end) in framings {
+        let mut stream = TcpStream::connect(app.addr).await.unwrap();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut body = vec![b'x'; size];
+        body.extend_from_slice(end.as_bytes());
+        stream
+            .write_all(&body)
+            .await
+            .expect("the proxy reads the body it refused instead of closing under it");
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+            .await
+            .expect("the connection is closed")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     }
     assert_healthy_and_untouched(&app).await;
 }
