@@ -213,13 +213,8 @@ impl Proxy {
                         body: None,
                     };
                     let answer = Box::pin(self.webhook(route, request, peer, started, held)).await;
-                    // The rest of a body refused as too large is never read,
-                    // so the connection cannot carry another request; saying
-                    // so lets the sender open a new one instead of finding
-                    // this one closed under its next request.
-                    let body_left_unread =
-                        matches!(answer, Answer::Rejected(Rejection::TooLarge(_)));
-                    return closing_if(body_left_unread, version, answer.into_response());
+                    let unread = answer.leaves_body_unread();
+                    return closing_if(unread, version, answer.into_response());
                 }
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },
@@ -232,7 +227,8 @@ impl Proxy {
             started,
         );
         // The request's framing is in doubt, so is whatever follows it.
-        closing_if(malformed.is_some(), version, answer.into_response())
+        let close = malformed.is_some() || answer.leaves_body_unread();
+        closing_if(close, version, answer.into_response())
     }
 
     /// Counts a request's outcome and writes its log line.

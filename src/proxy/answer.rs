@@ -105,6 +105,18 @@ pub enum Unavailable {
 pub(super) const REJECTED_BAD_REQUEST: &str = "rejected_bad_request";
 
 impl Answer {
+    /// Whether the answer comes before the request's body was read to its
+    /// end (too large, too slow, or broken on its way to the upstream): what
+    /// follows on the connection cannot be told from the rest of the body, so
+    /// the connection carries no other request, and the answer says so.
+    pub fn leaves_body_unread(&self) -> bool {
+        matches!(
+            self,
+            Answer::Rejected(Rejection::TooLarge(_) | Rejection::Timeout)
+                | Answer::UpstreamError(UpstreamError::SenderBody(_))
+        )
+    }
+
     /// The `outcome` label of `dedupe_requests_total`.
     pub fn metric_outcome(&self) -> &'static str {
         match self {

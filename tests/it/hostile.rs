@@ -582,19 +582,31 @@ async fn slow_senders_are_cut_off() {
         matches!(closed, Ok(0) | Err(_))
             || String::from_utf8_lossy(&buffer).starts_with("HTTP/1.1 408")
     );
-    // A body that never finishes: 408.
-    let status = raw(&app, b"POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: slow\r\nContent-Length: 100\r\n\r\n{\"partial\":").await;
-    assert!(status.starts_with("HTTP/1.1 408"), "{status}");
+    // A body that never finishes: 408, and the connection closed, saying so.
+    let answer = only_answer_before_close(&app, "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: slow\r\nContent-Length: 100\r\n\r\n{\"partial\":").await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{answer}"
+    );
     assert_healthy_and_untouched(&app).await;
     // Streamed to the upstream when unmatched, so the upstream sees its
     // start, then the connection reset: still the sender's fault (408, or
     // 400 for a body that cannot be read), not the upstream's.
-    assert_each_answered(
+    let answer = only_answer_before_close(
         &app,
-        &[b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"partial\":"],
-        "HTTP/1.1 408",
+        "POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"partial\":",
     )
     .await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{answer}"
+    );
     assert_each_answered(
         &app,
         &[b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhiXX0\r\n\r\n"],
