@@ -82,6 +82,16 @@ async fn only_answer_before_close(app: &TestApp, request: &str) -> String {
     answer
 }
 
+/// [`only_answer_before_close`], checking its status line and that it said
+/// `Connection: close`, and only that.
+async fn assert_answered_and_closed(app: &TestApp, request: &str, status: &str) {
+    let answer = only_answer_before_close(app, request).await;
+    assert!(answer.starts_with(status), "{answer}");
+    let fields = answer.to_ascii_lowercase();
+    assert!(fields.contains("\r\nconnection: close\r\n"), "{answer}");
+    assert!(!fields.contains("keep-alive"), "{answer}");
+}
+
 /// Sends each request on a connection of its own and checks the status line
 /// of its answer.
 async fn assert_each_answered(app: &TestApp, requests: &[&[u8]], status: &str) {
@@ -170,11 +180,7 @@ async fn a_body_refused_as_too_large_closes_the_connection() {
         ("HTTP/1.0 400", "POST /hooks/orders HTTP/1.0\r\nHost: a/b\r\nX-Event-Id: big5\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\n{}".to_string()),
     ];
     for (status, request) in refused {
-        let answer = only_answer_before_close(&app, &request).await;
-        assert!(answer.starts_with(status), "{answer}");
-        let fields = answer.to_ascii_lowercase();
-        assert!(fields.contains("\r\nconnection: close\r\n"), "{answer}");
-        assert!(!fields.contains("keep-alive"), "{answer}");
+        assert_answered_and_closed(&app, &request, status).await;
     }
     assert_healthy_and_untouched(&app).await;
 }
@@ -583,30 +589,15 @@ async fn slow_senders_are_cut_off() {
             || String::from_utf8_lossy(&buffer).starts_with("HTTP/1.1 408")
     );
     // A body that never finishes: 408, and the connection closed, saying so.
-    let answer = only_answer_before_close(&app, "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: slow\r\nContent-Length: 100\r\n\r\n{\"partial\":").await;
-    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
-    assert!(
-        answer
-            .to_ascii_lowercase()
-            .contains("\r\nconnection: close\r\n"),
-        "{answer}"
-    );
+    let slow_body = "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: slow\r\nContent-Length: 100\r\n\r\n{\"partial\":";
+    assert_answered_and_closed(&app, slow_body, "HTTP/1.1 408").await;
     assert_healthy_and_untouched(&app).await;
     // Streamed to the upstream when unmatched, so the upstream sees its
     // start, then the connection reset: still the sender's fault (408, or
     // 400 for a body that cannot be read), not the upstream's.
-    let answer = only_answer_before_close(
-        &app,
-        "POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"partial\":",
-    )
-    .await;
-    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
-    assert!(
-        answer
-            .to_ascii_lowercase()
-            .contains("\r\nconnection: close\r\n"),
-        "{answer}"
-    );
+    let slow_unmatched =
+        "POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"partial\":";
+    assert_answered_and_closed(&app, slow_unmatched, "HTTP/1.1 408").await;
     assert_each_answered(
         &app,
         &[b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhiXX0\r\n\r\n"],
