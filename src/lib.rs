@@ -41,6 +41,10 @@ pub mod verify;
 pub use config::Config;
 pub use server::Application;
 
+/// Seconds from the Unix epoch to 10000-01-01T00:00:00Z, where RFC 3339's
+/// four-digit years (and humantime's and tracing's formatting) end.
+pub(crate) const RFC3339_END_SECS: u64 = 253_402_300_800;
+
 /// An error and its causes, `: `-separated: libraries such as tokio-postgres
 /// keep the server's message in the cause, not in the error's own text.
 pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {

@@ -213,8 +213,7 @@ impl Proxy {
                         body: None,
                     };
                     let answer = Box::pin(self.webhook(route, request, peer, started, held)).await;
-                    let unread = answer.leaves_body_unread();
-                    return closing_if(unread, version, answer.into_response());
+                    return respond(answer, false, version);
                 }
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },
@@ -226,9 +225,7 @@ impl Proxy {
             &answer,
             started,
         );
-        // The request's framing is in doubt, so is whatever follows it.
-        let close = malformed.is_some() || answer.leaves_body_unread();
-        closing_if(close, version, answer.into_response())
+        respond(answer, malformed.is_some(), version)
     }
 
     /// Counts a request's outcome and writes its log line.
@@ -480,12 +477,16 @@ impl Proxy {
     }
 }
 
-/// The response, with `Connection: close` when the connection cannot carry
-/// another request (hyper then closes it once the response is written). To
-/// an HTTP/1.0 request the response is marked HTTP/1.0 as well: hyper would
-/// otherwise add `keep-alive` beside the `close` for a sender that asked to
-/// keep the connection.
-fn closing_if(close: bool, request: Version, mut response: Response<Body>) -> Response<Body> {
+/// The answer as a response, saying `Connection: close` when the connection
+/// cannot carry another request (hyper then closes it once the response is
+/// written): the request's framing is in doubt, so is whatever follows it,
+/// or the answer came before its body was read to its end. To an HTTP/1.0
+/// request such a response is marked HTTP/1.0 as well: hyper would otherwise
+/// add `keep-alive` beside the `close` for a sender that asked to keep the
+/// connection.
+fn respond(answer: Answer, framing_in_doubt: bool, request: Version) -> Response<Body> {
+    let close = framing_in_doubt || answer.leaves_body_unread();
+    let mut response = answer.into_response();
     if close {
         response
             .headers_mut()

@@ -172,6 +172,19 @@ fn without_format(canonical: &[u8]) -> Option<&[u8]> {
     (dot > 0).then(|| &canonical[..segment + dot])
 }
 
+/// The route's signature scheme: its own `signature`, else its provider's;
+/// none for a route with neither. Whether it has secrets to check it with is
+/// the caller's concern.
+pub fn signature_scheme(route: &RouteConfig) -> Result<Option<Scheme>, String> {
+    Ok(match (&route.signature, route.provider) {
+        (Some(signature), _) => Some(Scheme::Body(
+            BodyHmac::from_config(signature).map_err(|p| format!("signature: {p}"))?,
+        )),
+        (None, Some(provider)) => Some(provider.preset().scheme),
+        (None, None) => None,
+    })
+}
+
 impl Route {
     /// Builds a route from its effective configuration (see
     /// `Config::effective_route`), resolving its secrets. Problems are
@@ -185,13 +198,7 @@ impl Route {
                 .and_then(|preset| preset.key.clone())
                 .ok_or_else(|| vec![missing_key(route.provider)])?,
         };
-        let scheme = match (&route.signature, &preset) {
-            (Some(signature), _) => Some(Scheme::Body(
-                BodyHmac::from_config(signature).map_err(|p| vec![format!("signature: {p}")])?,
-            )),
-            (None, Some(preset)) => Some(preset.scheme.clone()),
-            (None, None) => None,
-        };
+        let scheme = signature_scheme(route).map_err(|p| vec![p])?;
         let verifier = match scheme {
             Some(scheme) if !route.secrets.is_empty() => Some(verifier(route, scheme)?),
             _ => None,

@@ -96,10 +96,9 @@ const SECOND_LEN: usize = 19;
 /// `now` as `2026-12-06T17:40:08.123456Z`, the part up to the second taken
 /// from `cached` when it holds `now`'s second; `None` outside 1970–9999.
 fn stamp(now: SystemTime, cached: &Cell<(u64, [u8; SECOND_LEN])>) -> Option<[u8; SECOND_LEN + 8]> {
-    const YEAR_10000: u64 = 253_402_300_800;
     let since = now.duration_since(UNIX_EPOCH).ok()?;
     let seconds = since.as_secs();
-    if seconds >= YEAR_10000 {
+    if seconds >= crate::RFC3339_END_SECS {
         return None;
     }
     let second = match cached.get() {

@@ -287,9 +287,10 @@ fn to_json(value: &impl Serialize) -> String {
 /// panics outside them); a time outside, which only a row written by hand
 /// can hold, is printed as seconds from the epoch instead.
 fn time(at: SystemTime) -> String {
-    const YEAR_10000: Duration = Duration::from_secs(253_402_300_800);
     match at.duration_since(UNIX_EPOCH) {
-        Ok(since) if since < YEAR_10000 => humantime::format_rfc3339_millis(at).to_string(),
+        Ok(since) if since.as_secs() < crate::RFC3339_END_SECS => {
+            humantime::format_rfc3339_millis(at).to_string()
+        }
         Ok(since) => format!("{}s after 1970-01-01T00:00:00Z", since.as_secs()),
         Err(before) => format!(
             "{}s before 1970-01-01T00:00:00Z",

@@ -361,11 +361,10 @@ impl Config {
                     "{at}.secrets: a literal `value` is for local testing only; use `env` or `file`"
                 ));
             }
-            let timestamped = match (&route.signature, route.provider) {
-                (Some(signature), _) => signature.timestamp_header.is_some(),
-                (None, Some(provider)) => provider.preset().scheme.signs_a_timestamp(),
-                (None, None) => false,
-            };
+            let timestamped = crate::route::signature_scheme(route)
+                .ok()
+                .flatten()
+                .is_some_and(|scheme| scheme.signs_a_timestamp());
             if route.tolerance.is_some() && !timestamped {
                 warnings.push(format!(
                     "{at}.tolerance: has no effect: this route's signature carries no timestamp"
