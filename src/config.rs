@@ -279,11 +279,13 @@ pub enum ConfigError {
 /// Whether validation reads the routes' secrets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Secrets {
-    /// Read every `env`/`file` secret: serving and `check-config` need them.
+    /// Read every `env`/`file` secret and the TLS files (`tls`,
+    /// `upstream.ca_file`): serving and `check-config` need them.
     Resolve,
     /// Leave them unread: commands that only work on the store never verify
-    /// a signature, and an operator repairing keys should not need the
-    /// webhook secrets to do it.
+    /// a signature, accept a connection or call the upstream, and an operator
+    /// repairing keys should not need the webhook secrets or the listener's
+    /// private key to do it.
     Ignore,
 }
 

@@ -98,10 +98,8 @@ impl SqliteStore {
                 StoreError::Sqlite(format!("cannot open {path}: {reason}"))
             })?;
         if create {
-            writable(&connection).map_err(|error| {
-                StoreError::Sqlite(format!(
-                    "cannot write to {path}: {error} (check the permissions of the file, of its -wal and -shm files, and of its directory)"
-                ))
+            writable(&connection).map_err(|reason| {
+                StoreError::Sqlite(format!("cannot write to {path}: {reason}"))
             })?;
         }
         // While a connection is open, SQLite keeps the -wal and -shm files.

@@ -29,7 +29,7 @@ impl StoreUrl {
             )),
             Some(path) => Ok(StoreUrl::Sqlite(path.to_owned())),
             None => Err(format!(
-                "`{}` must start with sqlite:// or postgres://",
+                "`{}` must start with sqlite://, postgres:// or postgresql://",
                 Self::redact(url)
             )),
         }

@@ -15,7 +15,7 @@ use crate::rows;
 use crate::support::{Backend, TestStore, settle_attempt};
 
 on_both_stores!(
-    the_store_commands_run_without_the_webhook_secrets,
+    the_store_commands_run_without_the_webhook_secrets_or_tls_files,
     keys_list_prints_a_table_newest_first_and_filters_it,
     keys_list_and_show_print_json_with_rfc3339_times_and_a_hex_hash,
     keys_show_prints_every_column,
@@ -81,10 +81,10 @@ fn config(db: &TestStore) -> String {
     )
 }
 
-async fn the_store_commands_run_without_the_webhook_secrets(backend: Backend) {
+async fn the_store_commands_run_without_the_webhook_secrets_or_tls_files(backend: Backend) {
     let (_db, config) = seeded(backend).await;
     let config = format!(
-        "{config}  - {{ name: stripe, path: /s, provider: stripe, secrets: [{{ env: DEDUPE_TEST_SECRET_NEVER_SET }}] }}\n"
+        "tls: {{ cert_file: /nonexistent/tls.crt, key_file: /nonexistent/tls.key }}\n{config}  - {{ name: stripe, path: /s, provider: stripe, secrets: [{{ env: DEDUPE_TEST_SECRET_NEVER_SET }}] }}\n"
     );
     for args in [
         &["migrate"][..],
@@ -97,11 +97,13 @@ async fn the_store_commands_run_without_the_webhook_secrets(backend: Backend) {
     }
     let check = keys(&["check-config"], &config);
     assert_eq!(check.code, 2);
-    assert!(
-        check.stderr.contains("DEDUPE_TEST_SECRET_NEVER_SET"),
-        "{}",
-        check.stderr
-    );
+    for unread_by_the_store_commands in ["DEDUPE_TEST_SECRET_NEVER_SET", "/nonexistent/tls.crt"] {
+        assert!(
+            check.stderr.contains(unread_by_the_store_commands),
+            "{}",
+            check.stderr
+        );
+    }
     let broken = config.replace("key: { json: /id }", "key: { json: id }");
     assert_eq!(
         keys(&["keys", "list"], &broken).code,

@@ -87,16 +87,31 @@ const WAL_SIZE_LIMIT: i64 = 64 << 20;
 
 /// SQLite opens a file it may not write to read-only without a word, and
 /// every claim would then fail; taking the write lock, as a claim would,
-/// finds that out at start-up.
-pub(super) fn writable(connection: &Connection) -> rusqlite::Result<()> {
-    if connection.is_readonly(rusqlite::MAIN_DB)? {
-        return Err(rusqlite::Error::SqliteFailure(
-            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
-            Some("the database is read-only to this process".into()),
+/// finds that out at start-up. The error says what to look at.
+pub(super) fn writable(connection: &Connection) -> Result<(), String> {
+    let read_only = connection
+        .is_readonly(rusqlite::MAIN_DB)
+        .map_err(|error| error.to_string())?;
+    if read_only {
+        return Err(format!(
+            "the database is read-only to this process ({PERMISSIONS_HINT})"
         ));
     }
-    connection.execute_batch("BEGIN IMMEDIATE; ROLLBACK")
+    connection
+        .execute_batch("BEGIN IMMEDIATE; ROLLBACK")
+        .map_err(|error| {
+            let hint = match error.sqlite_error_code() {
+                Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
+                    "another process holds its write lock, such as an sqlite3 session with a write transaction open or a VACUUM"
+                }
+                _ => PERMISSIONS_HINT,
+            };
+            format!("{error} ({hint})")
+        })
 }
+
+const PERMISSIONS_HINT: &str =
+    "check the permissions of the file, of its -wal and -shm files, and of its directory";
 
 #[cfg(test)]
 mod tests {
@@ -116,6 +131,24 @@ mod tests {
         let read_only =
             Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
         let refused = writable(&read_only).unwrap_err();
-        assert!(refused.to_string().contains("read-only"), "{refused}");
+        assert!(refused.contains("read-only"), "{refused}");
+        assert!(refused.contains("permissions"), "{refused}");
+    }
+
+    #[test]
+    fn a_held_write_lock_is_named_not_blamed_on_permissions() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dedupe.db");
+        let holder = open_connection(&path, Duration::from_secs(1), true).unwrap();
+        holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+        let waiter = open_connection(&path, Duration::from_millis(50), true).unwrap();
+        let refused = writable(&waiter).unwrap_err();
+        assert!(
+            refused.contains("another process holds its write lock"),
+            "{refused}"
+        );
+        assert!(!refused.contains("permissions"), "{refused}");
+        holder.execute_batch("ROLLBACK").unwrap();
+        writable(&waiter).unwrap();
     }
 }
