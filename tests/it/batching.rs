@@ -75,6 +75,29 @@ async fn claim_all(store: &Store, keys: &[String]) -> Vec<(String, Result<Claim,
     results
 }
 
+/// Every replica claims every key twice at once, each in its own (rotated)
+/// order; every claim's result.
+async fn race_replicas(
+    replicas: &[Store],
+    keys: &[String],
+) -> Vec<(String, Result<Claim, String>)> {
+    let races: Vec<_> = replicas
+        .iter()
+        .enumerate()
+        .map(|(n, replica)| {
+            let mut mine: Vec<String> = keys.iter().chain(keys).cloned().collect();
+            mine.rotate_left(n * 7);
+            let replica = replica.clone();
+            tokio::spawn(async move { claim_all(&replica, &mine).await })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for race in races {
+        results.extend(race.await.unwrap());
+    }
+    results
+}
+
 async fn keys_repeated_within_a_batch_are_each_won_exactly_once(backend: Backend) {
     let test_store = TestStore::new(backend).await;
     let store = open(&test_store.url).await;
@@ -305,31 +328,18 @@ async fn replicas_racing_for_failed_keys_take_each_back_exactly_once(backend: Ba
         let released = replicas[0].settle("src", &key, fence, Settlement::RELEASED);
         assert!(released.await.unwrap(), "{key}");
     }
-    // Every replica asks for every key twice, in its own (rotated) order.
-    let races: Vec<_> = replicas
-        .iter()
-        .enumerate()
-        .map(|(n, replica)| {
-            let mut mine: Vec<String> = keys.iter().chain(&keys).cloned().collect();
-            mine.rotate_left(n * 7);
-            let replica = replica.clone();
-            tokio::spawn(async move { claim_all(&replica, &mine).await })
-        })
-        .collect();
     let mut winners: HashMap<String, usize> = HashMap::new();
-    for race in races {
-        for (key, claim) in race.await.unwrap() {
-            match claim {
-                Ok(Claim::Won {
-                    fence: Fence { attempt, .. },
-                    ..
-                }) => {
-                    assert_eq!(attempt, 2, "{key}");
-                    *winners.entry(key).or_default() += 1;
-                }
-                Ok(Claim::InFlight { .. }) => {}
-                other => panic!("{key}: {other:?}"),
+    for (key, claim) in race_replicas(&replicas, &keys).await {
+        match claim {
+            Ok(Claim::Won {
+                fence: Fence { attempt, .. },
+                ..
+            }) => {
+                assert_eq!(attempt, 2, "{key}");
+                *winners.entry(key).or_default() += 1;
             }
+            Ok(Claim::InFlight { .. }) => {}
+            other => panic!("{key}: {other:?}"),
         }
     }
     for key in &keys {
@@ -421,6 +431,70 @@ async fn a_duplicate_claim_takes_no_row_lock() {
         }
     }
     lock.rollback().await.unwrap();
+}
+
+/// A database whose transactions default to `serializable` (or
+/// `repeatable read`) rolls back a claim that races another replica's for
+/// the same key, where `read committed` makes it wait: such a statement is
+/// run again, so racing replicas still each get an answer, and each key
+/// one owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_racing_on_a_serializable_database_each_get_an_answer() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    test_store
+        .postgres()
+        .await
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = serializable', current_database()); END $$",
+        )
+        .await
+        .unwrap();
+    let replicas = [
+        open(&test_store.url).await,
+        open(&test_store.url).await,
+        open(&test_store.url).await,
+    ];
+    let keys: Vec<String> = (0..40).map(|i| format!("s{i}")).collect();
+    let (replicas, keys) = (&replicas, &keys);
+    let race = |attempt: i32| async move {
+        let mut winners: HashMap<String, Fence> = HashMap::new();
+        for (key, claim) in race_replicas(replicas, keys).await {
+            match claim {
+                Ok(Claim::Won { fence, .. }) => {
+                    assert_eq!(fence.attempt, attempt, "{key}");
+                    assert!(
+                        winners.insert(key.clone(), fence).is_none(),
+                        "{key} won twice"
+                    );
+                }
+                Ok(Claim::InFlight { .. }) => {}
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        winners
+    };
+    let first = race(1).await;
+    assert_eq!(first.len(), keys.len(), "every new key is won once");
+    let releases: Vec<_> = first
+        .into_iter()
+        .map(|(key, fence)| {
+            let replica = replicas[0].clone();
+            tokio::spawn(async move {
+                replica
+                    .settle("src", &key, fence, Settlement::RELEASED)
+                    .await
+            })
+        })
+        .collect();
+    for release in releases {
+        assert!(release.await.unwrap().unwrap());
+    }
+    let second = race(2).await;
+    assert_eq!(
+        second.len(),
+        keys.len(),
+        "every failed key is taken back once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

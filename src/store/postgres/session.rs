@@ -100,6 +100,13 @@ impl Session {
     /// statement, or with `statement_cache: false` (or once named statements
     /// were lost) an unnamed one. `params` are the statement's own; the
     /// guard's (this process's instance) is added last.
+    ///
+    /// Each statement is a transaction of its own, so one the server rolled
+    /// back for a conflict with another transaction changed nothing and is
+    /// run again: a database whose `default_transaction_isolation` is
+    /// `serializable` or `repeatable read` refuses concurrent claims of a key
+    /// that way where `read committed` (which the statements are written
+    /// for) waits.
     pub(super) async fn query_on(
         &self,
         client: &Connection,
@@ -108,7 +115,25 @@ impl Session {
     ) -> Result<Vec<Row>, StoreError> {
         let mut guarded = params.to_vec();
         guarded.push((&self.instance, Type::TEXT));
-        let params = &guarded[..];
+        let mut conflicts = 0;
+        loop {
+            match self.query_guarded(client, sql, &guarded).await {
+                Err(error)
+                    if rolled_back_for_a_conflict(&error) && conflicts < CONFLICT_RETRIES =>
+                {
+                    conflicts += 1;
+                }
+                rows => return rows.map_err(postgres_error),
+            }
+        }
+    }
+
+    async fn query_guarded(
+        &self,
+        client: &Connection,
+        sql: &str,
+        params: &Params<'_>,
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
         if self.named_statements() {
             let named = async {
                 let statement = client.prepare_typed_cached(sql, &types(params)).await?;
@@ -122,13 +147,10 @@ impl Session {
                 Err(error) if result_type_changed(&error) => {
                     client.statement_cache.remove(sql, &types(params));
                 }
-                rows => return rows.map_err(postgres_error),
+                rows => return rows,
             }
         }
-        client
-            .query_typed(sql, params)
-            .await
-            .map_err(postgres_error)
+        client.query_typed(sql, params).await
     }
 
     fn named_statements(&self) -> bool {
@@ -165,6 +187,22 @@ pub(super) fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
         SqlState::INVALID_BINARY_REPRESENTATION,
         SqlState::DATATYPE_MISMATCH,
         SqlState::PROGRAM_LIMIT_EXCEEDED,
+    ]
+    .iter()
+    .any(|code| error.code() == Some(code))
+}
+
+/// How many times a statement rolled back for a conflict is run again. Each
+/// run sees the rows the conflicting transaction committed, so the next one
+/// normally goes through.
+const CONFLICT_RETRIES: u32 = 10;
+
+/// Whether the server rolled the statement back because of a concurrent
+/// transaction: a serialization failure or a deadlock.
+fn rolled_back_for_a_conflict(error: &tokio_postgres::Error) -> bool {
+    [
+        SqlState::T_R_SERIALIZATION_FAILURE,
+        SqlState::T_R_DEADLOCK_DETECTED,
     ]
     .iter()
     .any(|code| error.code() == Some(code))
