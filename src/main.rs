@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use dedupe_proxy::cli::{Cli, Command, keys};
 use dedupe_proxy::config::Secrets;
-use dedupe_proxy::store::{Store, StoreError, StoreUrl};
+use dedupe_proxy::store::{Migration, Store, StoreError, StoreUrl};
 use dedupe_proxy::{Application, Config, telemetry};
 use tokio_util::sync::CancellationToken;
 
@@ -104,10 +104,15 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
 
 async fn migrate(config: &Config) -> anyhow::Result<()> {
     let store = Store::open(&config.store)?;
-    if store.migrate().await? {
-        eprintln!("store: created the claims table `{}`", config.store.table);
-    } else {
-        eprintln!("store: schema is up to date");
+    match store.migrate().await? {
+        Migration::CreatedTable => {
+            eprintln!("store: created the claims table `{}`", config.store.table);
+        }
+        Migration::CreatedIndex => eprintln!(
+            "store: created the received_at index of the claims table `{}`",
+            config.store.table
+        ),
+        Migration::UpToDate => eprintln!("store: schema is up to date"),
     }
     Ok(())
 }

@@ -188,15 +188,25 @@ impl StoreError {
 pub(crate) const COLUMNS: &str = "source, event_id, status, attempts, payload_sha256, \
      response_status, received_at, claimed_at, lease_expires_at, completed_at";
 
+/// What a migration did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Migration {
+    /// Created the claims table (and its index).
+    CreatedTable,
+    /// Created the `received_at` index of a table that had none.
+    CreatedIndex,
+    UpToDate,
+}
+
 /// A queued claim's answer, sent once its statement has committed.
 pub type PendingClaim = oneshot::Receiver<Result<Claim, StoreError>>;
 
 /// The operations a backend provides. Every call is one short transaction;
 /// none is held across the upstream call.
 pub trait Backend: Send + Sync + 'static {
-    /// Creates or upgrades the schema; says whether it created the table
-    /// (under concurrent migrations, only the one that did says so).
-    fn migrate(&self) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Creates or upgrades the schema; says what it did (under concurrent
+    /// migrations, only the one that did it says so).
+    fn migrate(&self) -> impl Future<Output = Result<Migration, StoreError>> + Send;
     /// Answers when the store is reachable and the claims table exists
     /// ([`StoreError::MissingTable`] when only the table is missing).
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -318,7 +328,7 @@ impl Store {
 
     /// See [`Backend::migrate`]; not bounded by `store.timeout`, since a
     /// migration may wait for another replica's.
-    pub async fn migrate(&self) -> Result<bool, StoreError> {
+    pub async fn migrate(&self) -> Result<Migration, StoreError> {
         match &*self.backend {
             AnyBackend::Postgres(backend) => backend.migrate().await,
             AnyBackend::Sqlite(backend) => backend.migrate().await,

@@ -11,6 +11,7 @@ mod batch;
 mod home;
 mod keys;
 mod session;
+mod shape;
 mod sql;
 
 use std::sync::atomic::AtomicBool;
@@ -23,14 +24,15 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
 use super::{
-    Backend, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
-    PruneGroup, Release, Settlement, StoreError,
+    Backend, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, Migration, PendingClaim,
+    PruneBatch, PruneGroup, Release, Settlement, StoreError,
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
 use batch::{Batches, Growth, SettleRequest};
 use home::{Home, HomeConnect};
 use session::{Params, Session, instance};
+use shape::Shape;
 use sql::Statements;
 
 /// Claims recorded in PostgreSQL.
@@ -129,50 +131,20 @@ impl PostgresStore {
     async fn check_shape(
         &self,
         client: &impl tokio_postgres::GenericClient,
-    ) -> Result<(), StoreError> {
-        let columns = sql::claims_column_names();
-        let rows = client
-            .query_typed(
-                &self.sql.probe,
-                &[
-                    (&self.sql.table_regclass, Type::TEXT),
-                    (&columns, Type::TEXT_ARRAY),
-                ],
-            )
-            .await
-            .map_err(postgres_error)?;
-        let row = rows
-            .first()
-            .ok_or_else(|| StoreError::Postgres("the table's shape could not be read".into()))?;
-        let types: Vec<Option<String>> = row
-            .try_get::<_, Option<Vec<Option<String>>>>(0)
-            .map_err(postgres_error)?
-            .unwrap_or_default();
-        let keyed: bool = row.try_get(1).map_err(postgres_error)?;
-        match sql::shape_problem(&types, keyed) {
-            None => Ok(()),
+    ) -> Result<Shape, StoreError> {
+        let shape = Shape::read(client, &self.sql.table_regclass).await?;
+        match shape.problem() {
+            None => Ok(shape),
             Some(problem) => Err(StoreError::NotClaimsTable {
                 table: self.table.clone(),
                 problem,
             }),
         }
     }
-
-    /// A column missing from an existing table: `store.table` names some
-    /// other table.
-    fn shape_error(&self, error: tokio_postgres::Error) -> StoreError {
-        match error.as_db_error() {
-            Some(db) if db.code() == &SqlState::UNDEFINED_COLUMN => StoreError::NotClaimsTable {
-                table: self.table.clone(),
-                problem: db.message().to_owned(),
-            },
-            _ => postgres_error(error),
-        }
-    }
 }
 
 impl Backend for PostgresStore {
-    async fn migrate(&self) -> Result<bool, StoreError> {
+    async fn migrate(&self) -> Result<Migration, StoreError> {
         let mut client = self.client().await?;
         let transaction = client.transaction().await.map_err(postgres_error)?;
         // Transaction-scoped, so the lock cannot leak through a pooler.
@@ -199,33 +171,40 @@ impl Backend for PostgresStore {
         // be able to start with `store.migrate: true`.
         let rows = transaction
             .query_typed(
-                "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
-                &[
-                    (&self.sql.table_regclass, Type::TEXT),
-                    (&self.sql.index_regclass, Type::TEXT),
-                ],
+                "SELECT to_regclass($1) IS NOT NULL",
+                &[(&self.sql.table_regclass, Type::TEXT)],
             )
             .await
             .map_err(postgres_error)?;
-        let (table_existed, index_existed) = rows
-            .first()
-            .map_or((false, false), |row| (row.get(0), row.get(1)));
-        if !(table_existed && index_existed) {
+        let table_existed = rows.first().is_some_and(|row| row.get(0));
+        if !table_existed {
             transaction
-                .batch_execute(&self.sql.migrate)
+                .batch_execute(&self.sql.create_table)
                 .await
-                .map_err(|error| self.shape_error(error))?;
+                .map_err(postgres_error)?;
         }
         let inner: &tokio_postgres::Transaction<'_> = &transaction;
-        self.check_shape(inner).await?;
+        let shape = self.check_shape(inner).await?;
+        if !shape.indexed {
+            transaction
+                .batch_execute(&self.sql.create_index)
+                .await
+                .map_err(postgres_error)?;
+        }
         transaction.commit().await.map_err(postgres_error)?;
-        Ok(!table_existed)
+        Ok(if !table_existed {
+            Migration::CreatedTable
+        } else if !shape.indexed {
+            Migration::CreatedIndex
+        } else {
+            Migration::UpToDate
+        })
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         let client = self.client().await?;
         let client: &tokio_postgres::Client = &client;
-        self.check_shape(client).await
+        self.check_shape(client).await.map(drop)
     }
 
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {

@@ -16,8 +16,8 @@ use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::oneshot;
 
 use super::{
-    Backend, Claim, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, PendingClaim, PruneBatch,
-    PruneGroup, Release, Settlement, StoreError, WonFrom,
+    Backend, Claim, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, Migration, PendingClaim,
+    PruneBatch, PruneGroup, Release, Settlement, StoreError, WonFrom,
 };
 use crate::config::StoreConfig;
 use file::{OpenedFile, creatable, open_connection, writable};
@@ -280,8 +280,12 @@ fn ms_since_epoch(time: SystemTime) -> i64 {
 }
 
 impl Backend for SqliteStore {
-    async fn migrate(&self) -> Result<bool, StoreError> {
-        let (sql, probe) = (self.sql.migrate.clone(), self.sql.probe.clone());
+    async fn migrate(&self) -> Result<Migration, StoreError> {
+        let (create_table, indexed, probe) = (
+            self.sql.create_table.clone(),
+            self.sql.indexed.clone(),
+            self.sql.probe.clone(),
+        );
         let table = self.table.clone();
         self.call(move |connection| {
             // Under the write lock, so that of several processes migrating
@@ -293,10 +297,25 @@ impl Backend for SqliteStore {
                 [&table],
                 |row| row.get(0),
             )?;
-            transaction.execute_batch(&sql)?;
+            transaction.execute_batch(&create_table)?;
             transaction.prepare(&probe).map(drop)?;
+            let has_index: bool = transaction.query_row(&indexed, [&table], |row| row.get(0))?;
+            if !has_index {
+                let mut name_taken = transaction.prepare(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE lower(name) = lower(?1))",
+                )?;
+                let create_index = sql::create_index(&table, |name| {
+                    name_taken.query_row([name], |row| row.get(0)).unwrap_or(true)
+                });
+                drop(name_taken);
+                transaction.execute_batch(&create_index)?;
+            }
             transaction.commit()?;
-            Ok(!existed)
+            Ok(match (existed, has_index) {
+                (false, _) => Migration::CreatedTable,
+                (true, false) => Migration::CreatedIndex,
+                (true, true) => Migration::UpToDate,
+            })
         })
         .await
         .map_err(|error| self.shape_error(error))

@@ -651,6 +651,21 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
             create("integer", ""),
             "no primary key or unique index on (source, event_id)",
         ),
+        (
+            create("integer", ", PRIMARY KEY (source, event_id)").replace(
+                "received_at timestamptz NOT NULL",
+                "received_at timestamptz",
+            ),
+            "column received_at may be NULL, where it must be NOT NULL",
+        ),
+        (
+            format!(
+                "{} ALTER TABLE processed_events RENAME TO claims_kept;
+                 CREATE VIEW processed_events AS SELECT * FROM claims_kept;",
+                create("integer", ", PRIMARY KEY (source, event_id)")
+            ),
+            "it is a view",
+        ),
     ] {
         crate::rows::batch(&store, &sql).await;
         for command in [
@@ -670,10 +685,24 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
             );
         }
     }
-    // A unique index on the two columns, in either order, does as well.
-    crate::rows::batch(&store, &create("integer", ", UNIQUE (event_id, source)")).await;
+    // A unique index on the two columns, in either order, does as well; the
+    // index the pruner reads is added.
+    crate::rows::batch(
+        &store,
+        &format!(
+            "DROP VIEW processed_events; {}",
+            create("integer", ", UNIQUE (event_id, source)")
+        ),
+    )
+    .await;
     let out = run(&["migrate"], Some(&config), &[]);
     assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("created the received_at index of the claims table `processed_events`"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A server that takes no writes (a hot standby; here one read-only by a

@@ -180,6 +180,41 @@ pub async fn table_exists(store: &TestStore) -> bool {
     }
 }
 
+/// The names of the claims table's indexes that lead with `received_at`.
+pub async fn received_at_indexes(store: &TestStore) -> Vec<String> {
+    match sqlite_path(store) {
+        Some(path) => {
+            let connection = sqlite(path);
+            let mut statement = connection
+                .prepare(
+                    "SELECT l.name FROM pragma_index_list(?1) AS l, pragma_index_info(l.name) AS i
+                      WHERE i.seqno = 0 AND i.name = 'received_at'",
+                )
+                .expect("prepare");
+            statement
+                .query_map([TABLE], |row| row.get(0))
+                .expect("query")
+                .map(|name| name.expect("row"))
+                .collect()
+        }
+        None => store
+            .postgres()
+            .await
+            .query(
+                "SELECT c.relname::text FROM pg_index i
+                   JOIN pg_class c ON c.oid = i.indexrelid
+                   JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                  WHERE i.indrelid = $1::text::regclass AND a.attname = 'received_at'",
+                &[&TABLE],
+            )
+            .await
+            .expect("query")
+            .iter()
+            .map(|row| row.get(0))
+            .collect(),
+    }
+}
+
 /// Takes the table's prune lock in a transaction left open on another
 /// connection, as a replica in the middle of a prune batch would; `COMMIT`
 /// on the returned client releases it (PostgreSQL only).

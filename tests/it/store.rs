@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use dedupe_proxy::config::StoreConfig;
 use dedupe_proxy::store::{
-    Claim, ClaimRequest, Fence, Forget, KeyStatus, PruneBatch, PruneGroup, Release, SettledStatus,
-    Settlement, Sources, Store, WonFrom,
+    Claim, ClaimRequest, Fence, Forget, KeyStatus, Migration, PruneBatch, PruneGroup, Release,
+    SettledStatus, Settlement, Sources, Store, WonFrom,
 };
 
 use crate::on_both_stores;
@@ -27,6 +27,7 @@ on_both_stores!(
     the_longest_key_and_route_name_allowed_are_claimed_and_settled,
     a_key_in_flight_is_forgotten_only_by_force_until_its_lease_runs_out,
     a_key_deleted_and_claimed_anew_fences_out_its_old_owner,
+    a_table_renamed_away_keeps_its_index_and_the_new_one_gets_its_own,
 );
 
 async fn open(backend: Backend) -> (TestStore, Store) {
@@ -756,5 +757,79 @@ async fn a_key_deleted_and_claimed_anew_fences_out_its_old_owner(backend: Backen
             store.settle("src", key, owner, DONE).await.unwrap(),
             "{key}"
         );
+    }
+}
+
+/// Renaming the claims table away (to keep an old one, say) keeps its
+/// index's name: the new table's index is found by what it indexes, not by
+/// that name, and made under the next free one; without it every prune
+/// would read the whole table.
+async fn a_table_renamed_away_keeps_its_index_and_the_new_one_gets_its_own(backend: Backend) {
+    let (test_store, store) = open(backend).await;
+    assert_eq!(
+        crate::rows::received_at_indexes(&test_store).await,
+        ["processed_events_received_at_idx"]
+    );
+    crate::rows::batch(
+        &test_store,
+        "ALTER TABLE processed_events RENAME TO processed_events_2025",
+    )
+    .await;
+    assert_eq!(store.migrate().await.unwrap(), Migration::CreatedTable);
+    assert_eq!(
+        crate::rows::received_at_indexes(&test_store).await,
+        ["processed_events_received_at_idx1"]
+    );
+    assert_eq!(store.migrate().await.unwrap(), Migration::UpToDate);
+    crate::rows::batch(&test_store, "DROP INDEX processed_events_received_at_idx1").await;
+    assert_eq!(store.migrate().await.unwrap(), Migration::CreatedIndex);
+    assert_eq!(crate::rows::received_at_indexes(&test_store).await.len(), 1);
+}
+
+/// A claims table made by hand without the columns' defaults still takes
+/// claims: they write every timestamp themselves.
+#[tokio::test]
+async fn a_table_made_without_defaults_takes_claims() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    crate::rows::batch(
+        &test_store,
+        "CREATE TABLE processed_events (
+           source text NOT NULL, event_id text NOT NULL, status text NOT NULL,
+           attempts integer NOT NULL, payload_sha256 bytea, response_status smallint,
+           received_at timestamptz NOT NULL, claimed_at timestamptz NOT NULL,
+           lease_expires_at timestamptz, completed_at timestamptz,
+           PRIMARY KEY (source, event_id))",
+    )
+    .await;
+    let config = StoreConfig {
+        url: test_store.url.clone(),
+        ..StoreConfig::default()
+    };
+    let store = Store::open(&config).expect("open store");
+    assert_eq!(store.migrate().await.unwrap(), Migration::CreatedIndex);
+    assert!(matches!(
+        store
+            .claim(&request("alone", b"body", MINUTE))
+            .await
+            .unwrap(),
+        Claim::Won {
+            fence: Fence { attempt: 1, .. },
+            ..
+        }
+    ));
+    let together: Vec<_> = ["b1", "b2", "b3"]
+        .map(|key| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&request(key, b"body", MINUTE)).await })
+        })
+        .into();
+    for claim in together {
+        assert!(matches!(
+            claim.await.unwrap().unwrap(),
+            Claim::Won {
+                fence: Fence { attempt: 1, .. },
+                ..
+            }
+        ));
     }
 }

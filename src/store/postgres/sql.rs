@@ -18,11 +18,13 @@ use crate::store::sql_identifier;
 /// and the store switches to unnamed statements and runs it again (see
 /// `lost_named_statement`).
 pub(super) struct Statements {
-    pub(super) migrate: String,
-    /// The table and its index as text for `to_regclass`, to find a schema
-    /// that is already in place (see `PostgresStore::migrate`).
+    pub(super) create_table: String,
+    /// Named by PostgreSQL: `<table>_received_at_idx` unless another index
+    /// has that name.
+    pub(super) create_index: String,
+    /// The table as text for `regclass`, to find it and read its shape (see
+    /// `PostgresStore::migrate`).
     pub(super) table_regclass: String,
-    pub(super) index_regclass: String,
     pub(super) claim: String,
     pub(super) settle: String,
     /// The same decisions for a batch of one, with the same result columns:
@@ -34,9 +36,6 @@ pub(super) struct Statements {
     /// Reads the keys a claim lost to a row it could not see (see
     /// `BatchRunner::recheck_lost`).
     pub(super) recheck: String,
-    /// Reads the table's shape from the catalog (see [`shape_problem`]):
-    /// fails if the table does not exist.
-    pub(super) probe: String,
     /// Refreshes the table's statistics (see `Growth`).
     pub(super) analyze: String,
 }
@@ -55,17 +54,7 @@ impl Statements {
         let sixth_guard = guard("$6");
         let seventh_guard = guard("$7");
         let third_guard = guard("$3");
-        let (schema, unqualified) = match table_name.rsplit_once('.') {
-            Some((schema, unqualified)) => (Some(schema), unqualified),
-            None => (None, table_name),
-        };
-        let index = sql_identifier(&format!("{unqualified}_received_at_idx"));
         let table = sql_identifier(table_name);
-        // An index lives in its table's schema.
-        let index_regclass = match schema {
-            Some(schema) => format!("{}.{index}", sql_identifier(schema)),
-            None => index.clone(),
-        };
         // Whether `row` may be taken back by a delivery with the body hash
         // `sha`, where `reject` says its route rejects another body: the
         // claim marks keys by it, and the take-back locks and updates only
@@ -102,12 +91,8 @@ impl Statements {
         );
         Self {
             table_regclass: table.clone(),
-            index_regclass,
-            // Quiet: a table already in place (its index dropped, say) would
-            // otherwise log the server's "already exists, skipping" notice.
-            migrate: format!(
-                "SET LOCAL client_min_messages = warning;
-                 CREATE TABLE IF NOT EXISTS {table} (
+            create_table: format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
                    source           text        NOT NULL,
                    event_id         text        NOT NULL,
                    status           text        NOT NULL CHECK (status IN ('processing','done','failed')),
@@ -119,9 +104,9 @@ impl Statements {
                    lease_expires_at timestamptz,
                    completed_at     timestamptz,
                    PRIMARY KEY (source, event_id)
-                 );
-                 CREATE INDEX IF NOT EXISTS {index} ON {table} (received_at);"
+                 )"
             ),
+            create_index: format!("CREATE INDEX ON {table} (received_at)"),
             // One statement claims a whole batch of keys (no key twice). A new
             // key is decided by the primary key: the INSERT takes it or
             // conflicts. A key that exists is taken back only if it failed or
@@ -157,8 +142,9 @@ impl Statements {
                    SELECT i.ord, e.status, e.payload_sha256, e.received_at, e.lease_expires_at
                      FROM input i JOIN {table} e USING (source, event_id)
                  ), inserted AS (
-                   INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256, lease_expires_at)
-                   SELECT source, event_id, 'processing', 1, payload_sha256,
+                   INSERT INTO {table} AS e (source, event_id, status, attempts, payload_sha256,
+                                             received_at, claimed_at, lease_expires_at)
+                   SELECT source, event_id, 'processing', 1, payload_sha256, now(), now(),
                           now() + lease_ms * interval '1 millisecond'
                      FROM input i
                     WHERE NOT EXISTS (SELECT 1 FROM prior p WHERE p.ord = i.ord)
@@ -235,8 +221,9 @@ impl Statements {
                    SELECT status, payload_sha256, received_at, lease_expires_at FROM {table}
                     WHERE source = $1 AND event_id = $2 AND {sixth_guard}
                  ), inserted AS (
-                   INSERT INTO {table} (source, event_id, status, attempts, payload_sha256, lease_expires_at)
-                   SELECT $1, $2, 'processing', 1, $3, now() + $4 * interval '1 millisecond'
+                   INSERT INTO {table} (source, event_id, status, attempts, payload_sha256,
+                                       received_at, claimed_at, lease_expires_at)
+                   SELECT $1, $2, 'processing', 1, $3, now(), now(), now() + $4 * interval '1 millisecond'
                     WHERE NOT EXISTS (SELECT 1 FROM prior)
                    ON CONFLICT (source, event_id) DO NOTHING
                    RETURNING attempts, payload_sha256, claimed_at
@@ -267,70 +254,9 @@ impl Statements {
                    JOIN {table} e USING (source, event_id)
                   WHERE {third_guard}"
             ),
-            probe: SHAPE.to_owned(),
             analyze: format!("ANALYZE {table}"),
         }
     }
-}
-
-/// The claims table's columns and their types as `format_type` writes them.
-/// The statements decode `attempts` and `response_status` as these exact
-/// integer types, and claim through the primary key.
-const CLAIMS_COLUMNS: [(&str, &str); 10] = [
-    ("source", "text"),
-    ("event_id", "text"),
-    ("status", "text"),
-    ("attempts", "integer"),
-    ("payload_sha256", "bytea"),
-    ("response_status", "smallint"),
-    ("received_at", "timestamp with time zone"),
-    ("claimed_at", "timestamp with time zone"),
-    ("lease_expires_at", "timestamp with time zone"),
-    ("completed_at", "timestamp with time zone"),
-];
-
-/// With `$1` the table (text, as for `regclass`) and `$2` the column names:
-/// each column's type (NULL where there is none), in their order, and
-/// whether a unique index on exactly `(source, event_id)`, which the claim's
-/// `ON CONFLICT` needs, is in place. A missing table fails the cast.
-const SHAPE: &str = "SELECT
-       (SELECT array_agg(format_type(a.atttypid, a.atttypmod) ORDER BY c.ord)
-          FROM unnest($2::text[]) WITH ORDINALITY AS c(name, ord)
-          LEFT JOIN pg_attribute a
-            ON a.attrelid = $1::regclass AND a.attname = c.name
-           AND a.attnum > 0 AND NOT a.attisdropped),
-       EXISTS (SELECT 1 FROM pg_index i
-                WHERE i.indrelid = $1::regclass AND i.indisunique AND i.indisvalid
-                  AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 2
-                  AND (SELECT array_agg(a.attname::text ORDER BY a.attname)
-                         FROM pg_attribute a
-                        WHERE a.attrelid = i.indrelid AND a.attnum IN (i.indkey[0], i.indkey[1]))
-                      = ARRAY['event_id', 'source'])";
-
-/// The column names [`SHAPE`] takes as `$2`.
-pub(super) fn claims_column_names() -> Vec<&'static str> {
-    CLAIMS_COLUMNS.iter().map(|(name, _)| *name).collect()
-}
-
-/// What keeps a table of these column types (`None` for a missing column),
-/// with or without a unique index on `(source, event_id)`, from being the
-/// claims table; `None` when nothing does.
-pub(super) fn shape_problem(types: &[Option<String>], keyed: bool) -> Option<String> {
-    let mut problems: Vec<String> = CLAIMS_COLUMNS
-        .iter()
-        .zip(types)
-        .filter_map(|((name, wanted), found)| match found {
-            None => Some(format!("no column {name}")),
-            Some(found) if found != wanted => {
-                Some(format!("column {name} is {found}, not {wanted}"))
-            }
-            Some(_) => None,
-        })
-        .collect();
-    if !keyed {
-        problems.push("no primary key or unique index on (source, event_id)".into());
-    }
-    (!problems.is_empty()).then(|| problems.join("; "))
 }
 
 /// `unnest` over the statement's parameters `$1`, `$2`, … as arrays of
@@ -380,24 +306,6 @@ mod tests {
 
     const OURS: &str = "0123456789abcdef";
 
-    #[test]
-    fn a_shape_problem_names_every_column_that_differs_and_a_missing_key() {
-        let mut types: Vec<Option<String>> = CLAIMS_COLUMNS
-            .iter()
-            .map(|(_, wanted)| Some((*wanted).to_owned()))
-            .collect();
-        assert_eq!(shape_problem(&types, true), None);
-        types[3] = Some("bigint".into());
-        types[9] = None;
-        assert_eq!(
-            shape_problem(&types, false).as_deref(),
-            Some(
-                "column attempts is bigint, not integer; no column completed_at; \
-                 no primary key or unique index on (source, event_id)"
-            )
-        );
-    }
-
     async fn connect() -> tokio_postgres::Client {
         let url = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
@@ -413,7 +321,7 @@ mod tests {
         let client = connect().await;
         // A temporary table: private to this connection, gone with it.
         let sql = Statements::new("pg_temp.claims", OURS);
-        client.batch_execute(&sql.migrate).await.unwrap();
+        client.batch_execute(&sql.create_table).await.unwrap();
         // Rows enough that each key's index lookup has a cost: on an empty
         // table the planning a custom plan costs outweighs everything else.
         client
@@ -504,7 +412,7 @@ mod tests {
     async fn a_statement_refuses_another_instances_parameters_and_changes_nothing() {
         let client = connect().await;
         let theirs = Statements::new("pg_temp.claims", "fedcba9876543210");
-        client.batch_execute(&theirs.migrate).await.unwrap();
+        client.batch_execute(&theirs.create_table).await.unwrap();
         client
             .batch_execute(
                 "INSERT INTO pg_temp.claims (source, event_id, status, attempts, lease_expires_at)

@@ -5,7 +5,10 @@ use crate::store::{COLUMNS, sql_identifier};
 
 /// The statements, with the table's name in them.
 pub(super) struct Statements {
-    pub(super) migrate: String,
+    pub(super) create_table: String,
+    /// Whether an index leads with `received_at`, whatever its name (a
+    /// table renamed away keeps its index's name).
+    pub(super) indexed: String,
     pub(super) prior: String,
     pub(super) claim: String,
     pub(super) settle: String,
@@ -16,10 +19,9 @@ pub(super) struct Statements {
 
 impl Statements {
     pub(super) fn new(table_name: &str) -> Self {
-        let index = sql_identifier(&format!("{table_name}_received_at_idx"));
         let table = sql_identifier(table_name);
         Self {
-            migrate: format!(
+            create_table: format!(
                 "CREATE TABLE IF NOT EXISTS {table} (
                    source           TEXT    NOT NULL,
                    event_id         TEXT    NOT NULL,
@@ -32,9 +34,11 @@ impl Statements {
                    lease_expires_at INTEGER,
                    completed_at     INTEGER,
                    PRIMARY KEY (source, event_id)
-                 ) WITHOUT ROWID;
-                 CREATE INDEX IF NOT EXISTS {index} ON {table} (received_at);"
+                 ) WITHOUT ROWID"
             ),
+            indexed: "SELECT EXISTS (SELECT 1 FROM pragma_index_list(?1) AS l, pragma_index_info(l.name) AS i
+                                      WHERE l.partial = 0 AND i.seqno = 0 AND i.name = 'received_at')"
+                .to_owned(),
             prior: format!(
                 "SELECT status, payload_sha256, received_at FROM {table}
                   WHERE source = ?1 AND event_id = ?2"
@@ -65,5 +69,45 @@ impl Statements {
             ),
             probe: format!("SELECT {COLUMNS} FROM {table} LIMIT 0"),
         }
+    }
+}
+
+/// `CREATE INDEX` for `table`'s `received_at`, named `<table>_received_at_idx`
+/// unless that name is `taken` (by a table renamed away, say), then with the
+/// first free number after it, as PostgreSQL names one.
+pub(super) fn create_index(table: &str, mut taken: impl FnMut(&str) -> bool) -> String {
+    let base = format!("{table}_received_at_idx");
+    let name = std::iter::once(base.clone())
+        .chain((1..).map(|n| format!("{base}{n}")))
+        .find(|name| !taken(name))
+        .expect("a free name");
+    format!(
+        "CREATE INDEX {} ON {} (received_at)",
+        sql_identifier(&name),
+        sql_identifier(table)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_index_takes_the_first_free_name() {
+        assert_eq!(
+            create_index("processed_events", |_| false),
+            format!(
+                "CREATE INDEX {} ON {} (received_at)",
+                sql_identifier("processed_events_received_at_idx"),
+                sql_identifier("processed_events")
+            )
+        );
+        let taken = ["events_received_at_idx", "events_received_at_idx1"];
+        assert!(
+            create_index("events", |name| taken.contains(&name)).starts_with(&format!(
+                "CREATE INDEX {} ",
+                sql_identifier("events_received_at_idx2")
+            ))
+        );
     }
 }
