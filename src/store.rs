@@ -198,6 +198,9 @@ pub enum Migration {
     UpToDate,
 }
 
+/// A settle's write, owned, so that it can outlive the request that began it.
+pub type SettleWrite = std::pin::Pin<Box<dyn Future<Output = Result<bool, StoreError>> + Send>>;
+
 /// A queued claim's answer, sent once its statement has committed.
 pub type PendingClaim = oneshot::Receiver<Result<Claim, StoreError>>;
 
@@ -388,6 +391,37 @@ impl Store {
                 "a claim answered as timed out won later and cannot be released; the key waits for its lease to expire"
             ),
         }
+    }
+
+    /// See [`Backend::settle`]: the write as a future of its own, not
+    /// bounded by `store.timeout` (see [`Store::within_timeout`]).
+    pub fn settle_write(
+        &self,
+        source: Arc<str>,
+        key: String,
+        fence: Fence,
+        settlement: Settlement,
+    ) -> SettleWrite {
+        let store = self.clone();
+        Box::pin(async move {
+            match &*store.backend {
+                AnyBackend::Postgres(backend) => {
+                    backend.settle(&source, &key, fence, settlement).await
+                }
+                AnyBackend::Sqlite(backend) => {
+                    backend.settle(&source, &key, fence, settlement).await
+                }
+            }
+        })
+    }
+
+    /// Waits for `write` for at most `store.timeout`. A write that outlasts
+    /// it is still at the store (waiting on a row another transaction has
+    /// locked, say): awaited again, it gives that write's outcome.
+    pub async fn within_timeout(&self, write: &mut SettleWrite) -> Result<bool, StoreError> {
+        tokio::time::timeout(self.timeout, write)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
     }
 
     /// See [`Backend::settle`].

@@ -45,7 +45,9 @@ impl Proxy {
         why: Unavailable,
     ) -> (Answer, Duration) {
         let settle_started = Instant::now();
-        self.settle(claim, fence, Settlement::RELEASED).await;
+        // Not retried: a release that fails leaves the key to its lease, as
+        // a crash between claim and forward would.
+        let _ = self.settle(claim, fence, Settlement::RELEASED).await;
         let answer = Answer::Unavailable(why, self.settings.retry_after);
         (answer, settle_started.elapsed())
     }
@@ -139,8 +141,8 @@ impl Proxy {
         };
         guard.set_outcome(settlement);
         let settle_started = Instant::now();
-        if !self.settle(&claim, fence, settlement).await {
-            self.settle_in_background(claim, fence, settlement, route.retention, guard);
+        if let Err(unsettled) = self.settle(&claim, fence, settlement).await {
+            self.settle_in_background(claim, fence, settlement, route.retention, guard, unsettled);
         }
         let settle_time = settle_started.elapsed();
         let answer = match result {

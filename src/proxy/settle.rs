@@ -2,11 +2,12 @@
 //! store fails that write, again in the background until it is written or
 //! fenced out.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Proxy;
 use super::open_claims::ClaimGuard;
-use crate::store::{ClaimRequest, Fence, Settlement};
+use crate::store::{ClaimRequest, Fence, SettleWrite, Settlement, StoreError};
 
 /// The longest pause between retries of a settle, in the background and at
 /// shutdown.
@@ -14,25 +15,40 @@ pub(super) const SETTLE_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
 /// The longest a settle is retried, whatever the retention.
 const SETTLE_RETRY_HORIZON: Duration = Duration::from_secs(30 * 86400);
 
+/// Why a settle is left to the background.
+pub(super) enum Unsettled {
+    /// The store failed the write.
+    Failed,
+    /// The write outlasted `store.timeout` and is still at the database
+    /// (waiting on a row another transaction holds, say): its outcome is
+    /// awaited before another is sent, rather than beside it, where it would
+    /// hold a second of the few settle batches at the database, and with
+    /// them every settle queued behind.
+    Pending(SettleWrite),
+}
+
 impl Proxy {
-    /// Writes a settlement; false when the store failed (not when fenced out).
+    /// Writes a settlement, within `store.timeout`; fenced out counts as
+    /// settled.
     pub(super) async fn settle(
         &self,
         claim: &ClaimRequest,
         fence: Fence,
         settlement: Settlement,
-    ) -> bool {
+    ) -> Result<(), Unsettled> {
         let attempt = fence.attempt;
+        let mut write = self.store.settle_write(
+            Arc::clone(&claim.source),
+            claim.key.clone(),
+            fence,
+            settlement,
+        );
         let written = self
             .metrics
-            .time_store(
-                "settle",
-                self.store
-                    .settle(&claim.source, &claim.key, fence, settlement),
-            )
+            .time_store("settle", self.store.within_timeout(&mut write))
             .await;
         match written {
-            Ok(true) => true,
+            Ok(true) => Ok(()),
             Ok(false) => {
                 tracing::warn!(
                     route = &*claim.source,
@@ -40,11 +56,14 @@ impl Proxy {
                     attempt,
                     "claim no longer held by this attempt (released with `keys release`, taken over after its lease expired, or deleted with `keys forget` or `prune`); outcome not recorded"
                 );
-                true
+                Ok(())
             }
             Err(error) => {
                 tracing::warn!(route = &*claim.source, key = claim.key.as_str(), attempt, %error, "settle failed; retrying in the background");
-                false
+                Err(match error {
+                    StoreError::Timeout(_) => Unsettled::Pending(write),
+                    _ => Unsettled::Failed,
+                })
             }
         }
     }
@@ -62,17 +81,45 @@ impl Proxy {
         settlement: Settlement,
         retention: Duration,
         guard: ClaimGuard,
+        unsettled: Unsettled,
     ) {
         let attempt = fence.attempt;
         let give_up_at = Instant::now() + retention.min(SETTLE_RETRY_HORIZON);
         let store = self.store.clone();
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
+            let mut pending = match unsettled {
+                Unsettled::Pending(write) => Some(write),
+                Unsettled::Failed => None,
+            };
             let mut delay = Duration::from_millis(100);
-            while Instant::now() + delay < give_up_at {
-                tokio::time::sleep(delay).await;
-                let write = store.settle(&claim.source, &claim.key, fence, settlement);
-                match metrics.time_store("settle", write).await {
+            loop {
+                let written = match pending.take() {
+                    Some(write) => {
+                        let give_up_at = tokio::time::Instant::from_std(give_up_at);
+                        tokio::time::timeout_at(give_up_at, write)
+                            .await
+                            .unwrap_or(Err(StoreError::Timeout(retention)))
+                    }
+                    None if Instant::now() + delay >= give_up_at => break,
+                    None => {
+                        tokio::time::sleep(delay).await;
+                        let mut write = store.settle_write(
+                            Arc::clone(&claim.source),
+                            claim.key.clone(),
+                            fence,
+                            settlement,
+                        );
+                        let written = metrics
+                            .time_store("settle", store.within_timeout(&mut write))
+                            .await;
+                        if let Err(StoreError::Timeout(_)) = written {
+                            pending = Some(write);
+                        }
+                        written
+                    }
+                };
+                match written {
                     Ok(true) => {
                         tracing::info!(
                             route = &*claim.source,

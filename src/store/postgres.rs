@@ -29,7 +29,7 @@ use super::{
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
-use batch::{Batches, Growth, SettleRequest};
+use batch::{Batches, Growth, SettleRequest, TakingBack};
 use home::{Home, HomeConnect};
 use session::{Params, Session, instance};
 use shape::Shape;
@@ -83,6 +83,7 @@ impl PostgresStore {
                 named_statements_lost: AtomicBool::new(false),
                 instance: instance.clone(),
                 growth: Growth::new(),
+                taking_back: TakingBack::default(),
                 server: describe_server(&pg_config),
             }),
             sql: Arc::new(Statements::new(&config.table, &instance)),

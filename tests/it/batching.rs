@@ -761,7 +761,8 @@ async fn claims_behind_a_batch_waiting_on_a_row_lock_still_go_out() {
 /// pipelined on the connection of those still at the database. A batch that
 /// then takes a key back, and waits on its row lock, first takes its
 /// connection out of the pipeline: the claims sent after it go out on
-/// another connection and are decided while it still waits.
+/// another connection and are decided while it still waits, and a second
+/// delivery of that key is answered in flight rather than sent to wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     let test_store = TestStore::new(Backend::Postgres).await;
@@ -789,13 +790,23 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     );
     let mut holder = test_store.postgres().await;
     let hold = lock_key(&mut holder, "failed").await;
-    let taking_back = tokio::spawn({
-        let store = store.clone();
-        async move { store.claim(&request("failed")).await }
-    });
-    let observer = test_store.postgres().await;
-    until_waiting_on_locks(&observer, 1).await;
+    let taking_back = take_back_waiting_on_its_lock(&test_store, &store, "failed").await;
 
+    // A second delivery of the key would only wait on the same lock, and
+    // two such batches would hold every claim slot: it is answered in
+    // flight at once (at most one of the two could win).
+    let second = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("failed")))
+        .await
+        .expect("answered while the first take-back waits");
+    assert!(
+        matches!(
+            second,
+            Ok(Claim::InFlight {
+                payload_mismatch: false
+            })
+        ),
+        "{second:?}"
+    );
     claim_a_free_key(&store, "the take-back waits").await;
     assert!(!taking_back.is_finished());
     hold.commit().await.unwrap();
@@ -807,6 +818,8 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
             ..
         }
     ));
+    let third = store.claim(&request("failed")).await.unwrap();
+    assert!(matches!(third, Claim::InFlight { .. }), "{third:?}");
 }
 
 /// A claim answered `store.timeout` is still decided once its statement
@@ -866,6 +879,22 @@ async fn claim_a_free_key(store: &Store, waiting: &str) {
         .await
         .unwrap_or_else(|_| panic!("a key nobody holds is claimed while {waiting}"));
     assert!(won_attempt(&free.unwrap()) == Some(1));
+}
+
+/// Claims the failed `key`, whose row another transaction holds locked;
+/// returns once the take-back waits on that lock.
+async fn take_back_waiting_on_its_lock(
+    test_store: &TestStore,
+    store: &Store,
+    key: &str,
+) -> tokio::task::JoinHandle<Result<Claim, StoreError>> {
+    let taking_back = tokio::spawn({
+        let (store, key) = (store.clone(), key.to_owned());
+        async move { store.claim(&request(&key)).await }
+    });
+    let observer = test_store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+    taking_back
 }
 
 /// Locks the row of `src`/`key` in a transaction left open.

@@ -561,6 +561,72 @@ async fn an_answer_whose_settle_fails_is_still_returned_and_settled_later() {
     assert_eq!(app.deliver("evt_settle", "{}").await.outcome(), "duplicate");
 }
 
+/// A settle waiting on a row another transaction holds locked outlasts
+/// `store.timeout`: its sender still gets the upstream's answer, and the
+/// write lands once the lock goes. Meanwhile every other key is settled
+/// before its answer, as usual: the retry waits for the write still at the
+/// database instead of sending a second one to wait beside it, which would
+/// hold the last free settle batch, and with it every settle after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_waiting_on_a_locked_row_holds_up_no_other_keys_settle() {
+    let app = TestApp::spawn(Backend::Postgres, |config| {
+        config.store.timeout = Duration::from_millis(300);
+    })
+    .await;
+    let holder = app.store.postgres().await;
+    let locked = app
+        .deliver_answered_after("evt_locked", async {
+            holder
+                .batch_execute(
+                    "BEGIN; SELECT 1 FROM processed_events WHERE event_id = 'evt_locked' FOR UPDATE",
+                )
+                .await
+                .unwrap();
+        })
+        .await;
+    assert_eq!((locked.status, locked.outcome()), (200, "forwarded"));
+    let client = app.store.postgres().await;
+    let status = |key: &str| {
+        let (client, key) = (&client, key.to_owned());
+        async move {
+            client
+                .query_one(
+                    "SELECT status FROM processed_events WHERE event_id = $1",
+                    &[&key],
+                )
+                .await
+                .unwrap()
+                .get::<_, String>(0)
+        }
+    };
+    assert_eq!(status("evt_locked").await, "processing");
+
+    // Past the background retry's first try, and several more.
+    let until = std::time::Instant::now() + Duration::from_millis(1500);
+    let mut others = 0;
+    while std::time::Instant::now() < until {
+        let key: &'static str = Box::leak(format!("evt_other_{others}").into_boxed_str());
+        assert_eq!(app.deliver(key, "{}").await.outcome(), "forwarded", "{key}");
+        assert_eq!(
+            status(key).await,
+            "done",
+            "{key} is settled before its answer"
+        );
+        others += 1;
+    }
+
+    holder.batch_execute("COMMIT").await.unwrap();
+    let settled = async {
+        while status("evt_locked").await != "done" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), settled)
+        .await
+        .expect("the waiting write lands once the lock goes");
+    assert_eq!(app.deliver("evt_locked", "{}").await.outcome(), "duplicate");
+}
+
 async fn in_shadow_mode_a_claim_won_too_late_is_released_and_the_delivery_forwarded(
     backend: Backend,
 ) {

@@ -14,6 +14,8 @@ use tokio_postgres::types::Type;
 
 mod claim;
 
+pub(super) use claim::TakingBack;
+
 use super::sql::Statements;
 use super::{Connection, Params, Session, postgres_error};
 use crate::store::coalesce::{Coalescer, Limits, Outcome};

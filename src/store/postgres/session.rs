@@ -11,7 +11,7 @@ use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::batch::Growth;
+use super::batch::{Growth, TakingBack};
 use super::{Connection, postgres_error};
 use crate::error_chain;
 use crate::store::StoreError;
@@ -30,6 +30,7 @@ pub(super) struct Session {
     /// `sql::Statements`).
     pub(super) instance: String,
     pub(super) growth: Growth,
+    pub(super) taking_back: TakingBack,
     /// The server as errors name it: where it is, not who connects to it
     /// (a `/readyz` body may travel further than a log line).
     pub(super) server: String,

@@ -2,7 +2,8 @@
 //! take-back of keys it found failed or expired, and the claims read from
 //! their rows.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio_postgres::Row;
@@ -126,12 +127,31 @@ impl BatchRunner {
     /// key another replica took first stays in flight, as the claim found
     /// it; a refused statement is retried key by key, so a key that cannot
     /// be taken back fails alone.
+    ///
+    /// So does a key this replica is already taking back in another batch:
+    /// at most one of the two could win, the other would be answered in
+    /// flight, and while the first waits on the row (locked by another
+    /// transaction, say) the second would only wait beside it, holding a
+    /// second of the few batches at the database and with them every claim
+    /// queued behind.
     async fn take_back(
         &self,
         requests: &[&ClaimRequest],
         retakable: &[usize],
         claims: &mut [Option<Result<Claim, StoreError>>],
     ) {
+        let taking_back = self
+            .session
+            .taking_back
+            .enter(retakable.iter().map(|&i| requests[i]));
+        let retakable: Vec<usize> = retakable
+            .iter()
+            .zip(&taking_back.entered)
+            .filter_map(|(&index, &entered)| entered.then_some(index))
+            .collect();
+        if retakable.is_empty() {
+            return;
+        }
         // Its row locks may wait on another transaction, and claims sent
         // behind it would wait too: later batches go to another connection.
         if let Some(connection) = &self.connection {
@@ -314,4 +334,56 @@ fn lost_to_an_unseen_row(row: &Row) -> bool {
     let won: bool = row.get(1);
     let prior_status: Option<&str> = row.get(4);
     !won && prior_status.is_none()
+}
+
+/// The keys this replica is taking back, so that it sends no second
+/// take-back of a key while the first is at the database.
+#[derive(Default)]
+pub(in crate::store::postgres) struct TakingBack {
+    keys: Mutex<HashSet<(Arc<str>, String)>>,
+}
+
+impl TakingBack {
+    /// Marks the keys of `requests` not already being taken back; which ones
+    /// were is in the guard, which unmarks them when dropped.
+    fn enter<'a>(&'a self, requests: impl Iterator<Item = &'a ClaimRequest>) -> Entered<'a> {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut mine = Vec::new();
+        let entered = requests
+            .map(|request| {
+                let key = (Arc::clone(&request.source), request.key.clone());
+                let entered = keys.insert(key.clone());
+                if entered {
+                    mine.push(key);
+                }
+                entered
+            })
+            .collect();
+        Entered {
+            taking_back: self,
+            mine,
+            entered,
+        }
+    }
+}
+
+/// Keys marked as being taken back, until dropped.
+struct Entered<'a> {
+    taking_back: &'a TakingBack,
+    mine: Vec<(Arc<str>, String)>,
+    /// For each request given, whether it was marked here (not already).
+    entered: Vec<bool>,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        let mut keys = self
+            .taking_back
+            .keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for key in &self.mine {
+            keys.remove(key);
+        }
+    }
 }
