@@ -7,7 +7,7 @@
 //! as libpq reads it (milliseconds, where tokio-postgres reads seconds): a
 //! URL means what it means to `psql`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,12 +38,30 @@ pub fn postgres_config(
 ) -> Result<(tokio_postgres::Config, PostgresTls), String> {
     let LibpqParameters {
         url,
-        sslmode,
-        rootcert,
+        mut sslmode,
+        mut rootcert,
         tcp_user_timeout,
         target_session_attrs,
     } = take_libpq_parameters(url)?;
+    // libpq 16's `sslrootcert=system`: the system's roots, and nothing short
+    // of verify-full, since a public CA vouches for any name it has signed.
+    if rootcert.as_deref() == Some(Path::new("system")) {
+        rootcert = None;
+        match sslmode.as_deref() {
+            None | Some("verify-full") => sslmode = Some("verify-full".into()),
+            Some(other) => {
+                return Err(format!(
+                    "sslrootcert=system needs sslmode=verify-full, not `{other}` (as libpq has it)"
+                ));
+            }
+        }
+    }
     let mut config: tokio_postgres::Config = url.parse().map_err(|e| crate::error_chain(&e))?;
+    if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+        return Err(
+            "names no server: give a host (postgres://user@db.example:5432/app) or a socket directory (postgres://user@%2Fvar%2Frun%2Fpostgresql/app)".into(),
+        );
+    }
     // A standby (or a server read-only by default) would take the
     // connection and then refuse every claim; such a server is passed over
     // as it is connected to, so a URL listing several hosts finds the primary.
@@ -58,28 +76,27 @@ pub fn postgres_config(
         Some(timeout) => config.tcp_user_timeout(timeout),
         None => &mut config,
     };
+    // As libpq: under `prefer` and `require`, a root certificate given
+    // is checked against (the chain, not the name).
+    let chain_if_rooted = if rootcert.is_some() {
+        Verification::Chain
+    } else {
+        Verification::None
+    };
     let verification = match sslmode.as_deref() {
-        None | Some("prefer") => {
+        // libpq's `allow` tries plain text first; encrypting whenever the
+        // server offers it, as `prefer` does, is never weaker.
+        None | Some("prefer" | "allow") => {
             config.ssl_mode(SslMode::Prefer);
-            Verification::None
+            chain_if_rooted
         }
         Some("disable") => {
             config.ssl_mode(SslMode::Disable);
             Verification::None
         }
-        // libpq's `allow` tries plain text first; encrypting whenever the
-        // server offers it, as `prefer` does, is never weaker.
-        Some("allow") => {
-            config.ssl_mode(SslMode::Prefer);
-            Verification::None
-        }
         Some("require") => {
             config.ssl_mode(SslMode::Require);
-            if rootcert.is_some() {
-                Verification::Chain
-            } else {
-                Verification::None
-            }
+            chain_if_rooted
         }
         Some("verify-ca") => {
             config.ssl_mode(SslMode::Require);
@@ -468,6 +485,32 @@ mod tests {
             mode("postgres://u@db/x?sslmode=verify-full&sslrootcert=/nonexistent.pem").is_err()
         );
         assert_eq!(mode("postgres://u@db/x?sslmode=allow"), Ok(SslMode::Prefer));
+        for unread_root in ["", "sslmode=prefer&", "sslmode=allow&", "sslmode=require&"] {
+            let url = format!("postgres://u@db/x?{unread_root}sslrootcert=/nonexistent.pem");
+            assert!(mode(&url).is_err(), "{url}: the root is read");
+        }
+        assert_eq!(
+            mode("postgres://u@db/x?sslmode=disable&sslrootcert=/nonexistent.pem"),
+            Ok(SslMode::Disable)
+        );
+        assert_eq!(
+            mode("postgres://u@db/x?sslrootcert=system"),
+            Ok(SslMode::Require)
+        );
+        assert!(
+            mode("postgres://u@db/x?sslmode=require&sslrootcert=system")
+                .unwrap_err()
+                .contains("verify-full")
+        );
+    }
+
+    #[test]
+    fn a_url_without_a_server_is_refused() {
+        for url in ["postgres:///app", "postgresql://user@/app?sslmode=disable"] {
+            let error = postgres_config(url, None).err().expect(url);
+            assert!(error.contains("names no server"), "{url}: {error}");
+        }
+        assert!(postgres_config("postgres://u@/app?host=/var/run/postgresql", None).is_ok());
     }
 
     #[test]

@@ -92,6 +92,20 @@ async fn sslmodes_verify_as_libpq_does() {
         untrusted.is_err(),
         "a server certificate from another CA is refused"
     );
+    // As libpq: a root given under `prefer` (the default) checks the chain.
+    ping(&url(&store, "127.0.0.1", &root))
+        .await
+        .expect("prefer with a root checks the chain, not the name");
+    let untrusted_by_default = ping(&url(
+        &store,
+        "localhost",
+        &format!("sslrootcert={}", other_ca.display()),
+    ))
+    .await;
+    assert!(
+        untrusted_by_default.is_err(),
+        "under prefer too, a server certificate from another CA is refused"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
