@@ -152,9 +152,13 @@ pub enum StoreError {
     /// The operation took longer than `store.timeout`.
     #[error("store operation timed out after {0:?}")]
     Timeout(Duration),
-    /// PostgreSQL could not be reached or answered with an error.
+    /// PostgreSQL answered with an error, or the connection failed with a
+    /// statement on it.
     #[error("postgres: {0}")]
     Postgres(String),
+    /// No connection to PostgreSQL could be had, so nothing was sent.
+    #[error("postgres: {0}")]
+    Unreachable(String),
     /// PostgreSQL refused a statement (bad data, deadlock, serialization
     /// failure); the connection is healthy.
     #[error("postgres refused the statement: {0}")]

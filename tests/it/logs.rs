@@ -9,7 +9,9 @@ use http_body_util::Full;
 use serde_json::Value;
 
 use crate::cli::{ProxyProcess, post_webhook, process_config as config};
-use crate::support::{Backend, Behavior, TestResponse, TestStore, Upstream, client};
+use crate::support::{
+    Backend, Behavior, TestResponse, TestStore, Upstream, client, until_waiting_on_locks,
+};
 
 const MARKER: &str = "BODY-MARKER-5f1c2e";
 
@@ -235,10 +237,54 @@ async fn store_errors_are_logged_with_the_servers_message() {
         claim_failed.contains(r#"database \"dedupe_no_such_database\" does not exist"#),
         "{claim_failed}"
     );
-    // A failed connection may have lost a committed claim's answer: the line
-    // names the key and how to free it.
+    // No connection was had, so nothing was sent that could have been
+    // committed: the line names the key, and no key to free.
     assert!(
         claim_failed.contains(r#""key":"evt_nodb""#)
+            && !claim_failed.contains("dedupe-proxy keys release frees it"),
+        "{claim_failed}"
+    );
+}
+
+/// A claim whose connection fails while its statement is at the database
+/// may have been committed with its answer lost: its line names the key and
+/// how to free it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_cut_off_at_the_database_says_how_to_free_its_key() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let upstream = Upstream::start().await;
+    let mut proxy = ProxyProcess::start(&config(&upstream, &store.url, "")).await;
+    proxy.wait_ready().await;
+    let mut holder = store.postgres().await;
+    let insert = holder.transaction().await.unwrap();
+    insert
+        .execute(
+            "INSERT INTO processed_events (source, event_id, status) VALUES ('orders', 'evt_cut', 'processing')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let addr = proxy.addr;
+    let delivery = tokio::spawn(async move { post_webhook(addr, "evt_cut", "{}".into()).await });
+    let observer = store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+    observer
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(delivery.await.unwrap().status, 503);
+    insert.rollback().await.unwrap();
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    let claim_failed = lines
+        .iter()
+        .find(|line| line.contains("claim failed"))
+        .expect("a claim failure was logged");
+    assert!(
+        claim_failed.contains(r#""key":"evt_cut""#)
             && claim_failed.contains("dedupe-proxy keys release frees it"),
         "{claim_failed}"
     );

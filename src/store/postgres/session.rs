@@ -40,7 +40,7 @@ impl Session {
     pub(super) async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         self.pool.get().await.map_err(|error| {
             let server = &self.server;
-            StoreError::Postgres(match error {
+            StoreError::Unreachable(match error {
                 // deadpool words these as a pool of "objects".
                 PoolError::Backend(error) => {
                     let said = error_chain(&error);
