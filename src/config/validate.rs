@@ -356,6 +356,18 @@ impl Config {
                 "routes: none configured, so every request is forwarded to the upstream unverified and not deduplicated".to_owned(),
             );
         }
+        // A claim is forwarded only while its lease has upstream.timeout
+        // left; one that took longer than the rest of the lease is released.
+        let margin = self.store.lease.saturating_sub(self.upstream.timeout);
+        if !margin.is_zero() && margin < self.store.timeout {
+            warnings.push(format!(
+                "store.lease: {} leaves {} beyond upstream.timeout ({}), less than store.timeout ({}): a claim slower than that is released and answered 503; give it at least upstream.timeout + store.timeout",
+                duration::format(self.store.lease),
+                duration::format(margin),
+                duration::format(self.upstream.timeout),
+                duration::format(self.store.timeout),
+            ));
+        }
         for (index, route) in self.routes.iter().enumerate() {
             let at = format!("routes[{index}] ({})", route.name);
             if route.secrets.iter().any(SecretRef::is_literal) {
@@ -713,6 +725,34 @@ mod tests {
                 other => panic!("expected a parse problem, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_lease_barely_over_the_upstream_timeout_is_a_warning() {
+        let tight =
+            parse("store: { lease: 1001ms, timeout: 2s }\nupstream: { timeout: 1s }").unwrap();
+        let warnings = tight.warnings();
+        assert!(
+            warnings.iter().any(|w| w.starts_with("store.lease")
+                && w.contains(
+                    "leaves 1ms beyond upstream.timeout (1s), less than store.timeout (2s)"
+                )),
+            "{warnings:?}"
+        );
+        let roomy = parse("store: { lease: 3s, timeout: 2s }\nupstream: { timeout: 1s }").unwrap();
+        assert!(
+            roomy
+                .warnings()
+                .iter()
+                .all(|w| !w.starts_with("store.lease"))
+        );
+        assert!(
+            parse("")
+                .unwrap()
+                .warnings()
+                .iter()
+                .all(|w| !w.starts_with("store.lease"))
+        );
     }
 
     #[test]
