@@ -104,14 +104,13 @@ async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
 
 async fn migrate(config: &Config) -> anyhow::Result<()> {
     let store = Store::open(&config.store)?;
+    // As the statements name it: `store.table` is case-insensitive.
+    let table = config.store.table.to_ascii_lowercase();
     match store.migrate().await? {
-        Migration::CreatedTable => {
-            eprintln!("store: created the claims table `{}`", config.store.table);
+        Migration::CreatedTable => eprintln!("store: created the claims table `{table}`"),
+        Migration::CreatedIndex => {
+            eprintln!("store: created the received_at index of the claims table `{table}`");
         }
-        Migration::CreatedIndex => eprintln!(
-            "store: created the received_at index of the claims table `{}`",
-            config.store.table
-        ),
         Migration::UpToDate => eprintln!("store: schema is up to date"),
     }
     Ok(())

@@ -530,10 +530,11 @@ async fn of_concurrent_migrations_only_the_one_that_created_the_table_says_so() 
 #[tokio::test]
 async fn migrate_creates_the_schema() {
     let store = TestStore::new(Backend::Postgres).await;
+    // Named as the statements name it: `store.table` is case-insensitive.
     let out = run(
         &["migrate"],
         Some(&format!(
-            "store: {{ url: '{}', table: my_events }}\n",
+            "store: {{ url: '{}', table: My_Events }}\n",
             store.url
         )),
         &[],
