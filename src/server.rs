@@ -194,6 +194,7 @@ impl Application {
                 outcomes_written = settles.outcomes_written,
                 released = settles.released,
                 unwritten = settles.unwritten,
+                already_settled = settles.already_settled,
                 "claims still open at shutdown: known outcomes written, the rest released"
             );
         }

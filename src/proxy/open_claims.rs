@@ -122,6 +122,9 @@ pub struct FinalSettles {
     pub released: usize,
     /// Left to their leases: the store did not take them before the deadline.
     pub unwritten: usize,
+    /// Found settled already (by a background retry that landed meanwhile)
+    /// or no longer this replica's (released or taken over).
+    pub already_settled: usize,
 }
 
 /// Keeps a claim registered until dropped.
@@ -187,7 +190,7 @@ impl OpenClaims {
     pub async fn settle_all(&self, store: &Store, deadline: Instant) -> FinalSettles {
         let mut pending = self.close();
         let open = pending.len();
-        let (mut outcomes_written, mut released) = (0, 0);
+        let (mut outcomes_written, mut released, mut already_settled) = (0, 0, 0);
         let mut delay = Duration::from_millis(100);
         loop {
             let mut failed = Vec::new();
@@ -220,7 +223,7 @@ impl OpenClaims {
                         );
                     }
                     // Written by an earlier try, or taken over: nothing left.
-                    Ok(false) => {}
+                    Ok(false) => already_settled += 1,
                     Err(error) => failed.push((claim, error)),
                 }
             }
@@ -239,6 +242,7 @@ impl OpenClaims {
                     outcomes_written,
                     released,
                     unwritten: failed.len(),
+                    already_settled,
                 };
             }
             tokio::time::sleep(delay).await;
