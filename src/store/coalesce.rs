@@ -35,6 +35,13 @@ pub struct Limits {
     pub max_batch: usize,
     /// How long a batch runs alone before the next may go out beside it.
     pub stalled_after: Duration,
+    /// Most batches out beyond `in_flight`, each on a connection of its own,
+    /// once every batch out has been at the database for `stuck_after`:
+    /// batches that long are waiting on rows another transaction holds,
+    /// not slow, and the requests queued behind them would otherwise wait
+    /// for as long as those rows are held.
+    pub stuck: usize,
+    pub stuck_after: Duration,
     /// Most batches sent behind the one running alone while the last batch
     /// to come back was read-only.
     pub behind: usize,
@@ -127,13 +134,27 @@ where
     }
 }
 
-/// A slot beside the batch running alone, once it has run until `stalled_at`.
+/// A slot beside the batch running alone, once it has run until
+/// `stalled_at`; or, with those slots taken too, one of the slots for stuck
+/// batches, once the last batch sent has run until `stuck_at`.
 async fn beside_a_stalled_batch(
     beside: &Arc<Semaphore>,
+    stuck: &Arc<Semaphore>,
     stalled_at: Instant,
+    stuck_at: Instant,
 ) -> Result<OwnedSemaphorePermit, tokio::sync::AcquireError> {
     tokio::time::sleep_until(stalled_at).await;
-    Arc::clone(beside).acquire_owned().await
+    // Made only once the batch alone has stalled: the normal course sets no
+    // second timer.
+    let beside_the_stuck = async {
+        tokio::time::sleep_until(stuck_at).await;
+        Arc::clone(stuck).acquire_owned().await
+    };
+    tokio::select! {
+        biased;
+        slot = Arc::clone(beside).acquire_owned() => slot,
+        slot = beside_the_stuck => slot,
+    }
 }
 
 pub(super) fn stopped() -> StoreError {
@@ -164,15 +185,18 @@ async fn dispatch<Request, Response, Run, Fut>(
     let alone = Arc::new(Semaphore::new(1));
     let behind = Arc::new(Semaphore::new(limits.behind));
     let beside = Arc::new(Semaphore::new(limits.in_flight.max(1) - 1));
+    let stuck = Arc::new(Semaphore::new(limits.stuck));
     let read_only = Arc::new(AtomicBool::new(false));
     let max_batch = limits.max_batch.max(1);
     let mut alone_since = Instant::now();
+    let mut last_sent = Instant::now();
     let run = Arc::new(run);
     loop {
         let Some(first) = jobs.recv().await else {
             return;
         };
         let stalled_at = alone_since + limits.stalled_after;
+        let stuck_at = last_sent + limits.stuck_after;
         let behind_open = read_only.load(Ordering::Relaxed) && Instant::now() < stalled_at;
         let (slot, lane) = tokio::select! {
             biased;
@@ -181,8 +205,11 @@ async fn dispatch<Request, Response, Run, Fut>(
                 (slot, Lane::Alone)
             }
             slot = Arc::clone(&behind).acquire_owned(), if behind_open => (slot, Lane::Behind),
-            slot = beside_a_stalled_batch(&beside, stalled_at) => (slot, Lane::Beside),
+            slot = beside_a_stalled_batch(&beside, &stuck, stalled_at, stuck_at) => {
+                (slot, Lane::Beside)
+            }
         };
+        last_sent = Instant::now();
         let Ok(slot) = slot else {
             return;
         };
@@ -253,6 +280,8 @@ mod tests {
             in_flight: 1,
             max_batch,
             stalled_after: Duration::from_millis(10),
+            stuck: 0,
+            stuck_after: Duration::ZERO,
             behind: 0,
             give_up_after: None,
         }
@@ -290,6 +319,8 @@ mod tests {
                 in_flight,
                 max_batch: 1,
                 stalled_after,
+                stuck: 0,
+                stuck_after: Duration::ZERO,
                 behind,
                 give_up_after: None,
             })
@@ -407,6 +438,8 @@ mod tests {
             in_flight: 1,
             max_batch: 1,
             stalled_after: Duration::from_secs(3600),
+            stuck: 0,
+            stuck_after: Duration::ZERO,
             behind: 0,
             give_up_after: Some(limit),
         });
@@ -485,6 +518,45 @@ mod tests {
         gated.finish(0);
         assert_eq!(fourth.await.unwrap(), 3);
         assert_eq!(stalled.await.unwrap(), 0);
+    }
+
+    /// Batches still out `stuck_after` after the last went out are waiting
+    /// on rows another transaction holds: one more goes out beside them, up
+    /// to `stuck`, so the requests queued behind them are not stuck too.
+    #[tokio::test(start_paused = true)]
+    async fn stuck_batches_let_more_go_out_beside_them_up_to_a_limit() {
+        let stuck_after = Duration::from_millis(250);
+        let mut gated = Gated::with_limits(Limits {
+            in_flight: 2,
+            max_batch: 1,
+            stalled_after: Duration::from_millis(20),
+            stuck: 2,
+            stuck_after,
+            behind: 0,
+            give_up_after: None,
+        });
+        let calls: Vec<_> = (0..5).map(|n| gated.call(n)).collect();
+        assert_eq!(gated.next_started().await, Some(0));
+        assert_eq!(gated.next_started().await, Some(1));
+        for n in [2, 3] {
+            let last_sent = Instant::now();
+            assert_eq!(gated.next_started().await, Some(n));
+            assert!(last_sent.elapsed() >= stuck_after, "{n} went out early");
+            assert_eq!(gated.lane(n), Lane::Beside);
+        }
+        gated
+            .assert_none_starts("no more than two stuck slots")
+            .await;
+        // The batches out have long been stuck: a freed slot is taken at once.
+        gated.finish(3);
+        assert_eq!(gated.next_started().await, Some(4));
+        assert_eq!(gated.lane(4), Lane::Beside);
+        for n in [0, 1, 2, 4] {
+            gated.finish(n);
+        }
+        for (n, call) in (0..).zip(calls) {
+            assert_eq!(call.await.unwrap(), n);
+        }
     }
 
     #[tokio::test(start_paused = true)]

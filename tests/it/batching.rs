@@ -822,6 +822,43 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     assert!(matches!(third, Claim::InFlight { .. }), "{third:?}");
 }
 
+/// Two take-backs waiting on rows another transaction holds hold both claim
+/// slots: once they have waited long enough to be judged stuck, not slow,
+/// the claims queued behind them go out beside them and are decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_behind_two_take_backs_waiting_on_locks_still_go_out() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    for key in ["failed_a", "failed_b"] {
+        assert!(won_attempt(&store.claim(&request(key)).await.unwrap()) == Some(1));
+        assert!(
+            settle_attempt(&store, "src", key, 1, Settlement::RELEASED)
+                .await
+                .unwrap()
+        );
+    }
+    let mut holder = test_store.postgres().await;
+    let hold = holder.transaction().await.unwrap();
+    hold.execute(
+        "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id IN ('failed_a', 'failed_b') FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let first = take_back_waiting_on_its_lock(&test_store, &store, "failed_a").await;
+    let second = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("failed_b")).await }
+    });
+    until_waiting_on_locks(&test_store.postgres().await, 2).await;
+
+    claim_a_free_key(&store, "two take-backs wait").await;
+    hold.commit().await.unwrap();
+    for taken_back in [first, second] {
+        assert!(won_attempt(&taken_back.await.unwrap().unwrap()) == Some(2));
+    }
+}
+
 /// A claim answered `store.timeout` is still decided once its statement
 /// runs; when it wins, nobody forwards it, so it is released at once instead
 /// of holding the key `processing` (and the sender's retries `in-flight`)

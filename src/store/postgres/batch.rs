@@ -55,6 +55,17 @@ const BATCHES_IN_FLIGHT: usize = 2;
 /// holds, delays the claims queued behind it by no more than this.
 const STALLED_AFTER: Duration = Duration::from_millis(20);
 
+/// How long every batch out must have been at the database before one more
+/// goes out beside them: far past what a busy database takes for any batch
+/// (a few milliseconds), so only batches waiting on rows another
+/// transaction holds (an operator's open transaction, a long `UPDATE`) are
+/// counted stuck; one such row, or one key claimed twice, holds one batch,
+/// but two would hold both slots, and every claim or settle behind them.
+const STUCK_AFTER: Duration = Duration::from_millis(250);
+
+/// Most batches out beyond [`BATCHES_IN_FLIGHT`] while those are stuck.
+const MAX_STUCK: usize = 4;
+
 /// Claim batches sent behind the one at the database while claims come back
 /// read-only (see `Lane::Behind`).
 const CLAIMS_BEHIND: usize = 2;
@@ -70,10 +81,17 @@ impl Batches {
         claim_timeout: Duration,
     ) -> Self {
         let pool_size = session.pool.status().max_size;
+        // What the pool holds beyond the claims' and settles' own slots,
+        // their pipeline and a spare (the pruner, a readiness probe), shared
+        // between the two queues.
+        let stuck = (pool_size.saturating_sub(2 * BATCHES_IN_FLIGHT + 2) / 2).min(MAX_STUCK);
         let settle_limits = Limits {
             in_flight: BATCHES_IN_FLIGHT.min(pool_size),
             max_batch: MAX_BATCH,
             stalled_after: STALLED_AFTER,
+            stuck,
+            // Well before a request queued behind them is given up on.
+            stuck_after: STUCK_AFTER.min(claim_timeout / 2),
             behind: 0,
             give_up_after: None,
         };
