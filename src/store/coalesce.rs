@@ -36,10 +36,10 @@ pub struct Limits {
     /// How long a batch runs alone before the next may go out beside it.
     pub stalled_after: Duration,
     /// Most batches out beyond `in_flight`, each on a connection of its own,
-    /// once every batch out has been at the database for `stuck_after`:
-    /// batches that long are waiting on rows another transaction holds,
-    /// not slow, and the requests queued behind them would otherwise wait
-    /// for as long as those rows are held.
+    /// once every batch in the regular slots has been at the database for
+    /// `stuck_after`: batches that long are waiting on rows another
+    /// transaction holds, not slow, and the requests queued behind them
+    /// would otherwise wait for as long as those rows are held.
     pub stuck: usize,
     pub stuck_after: Duration,
     /// Most batches sent behind the one running alone while the last batch
@@ -135,14 +135,15 @@ where
 }
 
 /// A slot beside the batch running alone, once it has run until
-/// `stalled_at`; or, with those slots taken too, one of the slots for stuck
-/// batches, once the last batch sent has run until `stuck_at`.
+/// `stalled_at`; or, with that slot taken too, one of the slots for stuck
+/// batches, once the last batch sent in the regular slots has run until
+/// `stuck_at`. Says whether the slot is one for stuck batches.
 async fn beside_a_stalled_batch(
     beside: &Arc<Semaphore>,
     stuck: &Arc<Semaphore>,
     stalled_at: Instant,
     stuck_at: Instant,
-) -> Result<OwnedSemaphorePermit, tokio::sync::AcquireError> {
+) -> Result<(OwnedSemaphorePermit, bool), tokio::sync::AcquireError> {
     tokio::time::sleep_until(stalled_at).await;
     // Made only once the batch alone has stalled: the normal course sets no
     // second timer.
@@ -152,8 +153,8 @@ async fn beside_a_stalled_batch(
     };
     tokio::select! {
         biased;
-        slot = Arc::clone(beside).acquire_owned() => slot,
-        slot = beside_the_stuck => slot,
+        slot = Arc::clone(beside).acquire_owned() => Ok((slot?, false)),
+        slot = beside_the_stuck => Ok((slot?, true)),
     }
 }
 
@@ -189,30 +190,37 @@ async fn dispatch<Request, Response, Run, Fut>(
     let read_only = Arc::new(AtomicBool::new(false));
     let max_batch = limits.max_batch.max(1);
     let mut alone_since = Instant::now();
-    let mut last_sent = Instant::now();
+    // When the last batch went out in the regular slots (alone, behind or
+    // beside): once every one of those is stuck, the stuck slots open, and
+    // stay open while they are, for batches that may well come back at once.
+    let mut regular_sent = Instant::now();
     let run = Arc::new(run);
     loop {
         let Some(first) = jobs.recv().await else {
             return;
         };
         let stalled_at = alone_since + limits.stalled_after;
-        let stuck_at = last_sent + limits.stuck_after;
+        let stuck_at = regular_sent + limits.stuck_after;
         let behind_open = read_only.load(Ordering::Relaxed) && Instant::now() < stalled_at;
-        let (slot, lane) = tokio::select! {
+        let sent = tokio::select! {
             biased;
             slot = Arc::clone(&alone).acquire_owned() => {
                 alone_since = Instant::now();
-                (slot, Lane::Alone)
+                slot.map(|slot| (slot, Lane::Alone, false))
             }
-            slot = Arc::clone(&behind).acquire_owned(), if behind_open => (slot, Lane::Behind),
+            slot = Arc::clone(&behind).acquire_owned(), if behind_open => {
+                slot.map(|slot| (slot, Lane::Behind, false))
+            }
             slot = beside_a_stalled_batch(&beside, &stuck, stalled_at, stuck_at) => {
-                (slot, Lane::Beside)
+                slot.map(|(slot, stuck)| (slot, Lane::Beside, stuck))
             }
         };
-        last_sent = Instant::now();
-        let Ok(slot) = slot else {
+        let Ok((slot, lane, in_a_stuck_slot)) = sent else {
             return;
         };
+        if !in_a_stuck_slot {
+            regular_sent = Instant::now();
+        }
         // Everything that queued while no slot was free goes with it.
         let mut batch = vec![first];
         while batch.len() < max_batch {
@@ -520,9 +528,10 @@ mod tests {
         assert_eq!(stalled.await.unwrap(), 0);
     }
 
-    /// Batches still out `stuck_after` after the last went out are waiting
-    /// on rows another transaction holds: one more goes out beside them, up
-    /// to `stuck`, so the requests queued behind them are not stuck too.
+    /// Batches in the regular slots still out `stuck_after` after the last
+    /// of them went out are waiting on rows another transaction holds: more
+    /// go out beside them, up to `stuck` at once, so the requests queued
+    /// behind them are not stuck too.
     #[tokio::test(start_paused = true)]
     async fn stuck_batches_let_more_go_out_beside_them_up_to_a_limit() {
         let stuck_after = Duration::from_millis(250);
@@ -538,20 +547,35 @@ mod tests {
         let calls: Vec<_> = (0..5).map(|n| gated.call(n)).collect();
         assert_eq!(gated.next_started().await, Some(0));
         assert_eq!(gated.next_started().await, Some(1));
+        let regular_sent = Instant::now();
+        assert_eq!(gated.next_started().await, Some(2));
+        assert!(regular_sent.elapsed() >= stuck_after, "2 went out early");
+        let stuck_sent = Instant::now();
+        assert_eq!(gated.next_started().await, Some(3));
+        assert_eq!(
+            stuck_sent.elapsed(),
+            Duration::ZERO,
+            "the stuck slots are open"
+        );
         for n in [2, 3] {
-            let last_sent = Instant::now();
-            assert_eq!(gated.next_started().await, Some(n));
-            assert!(last_sent.elapsed() >= stuck_after, "{n} went out early");
             assert_eq!(gated.lane(n), Lane::Beside);
         }
         gated
             .assert_none_starts("no more than two stuck slots")
             .await;
-        // The batches out have long been stuck: a freed slot is taken at once.
+        // The regular slots' batches are still stuck: a freed stuck slot is
+        // taken at once, however recently its batch went out.
         gated.finish(3);
         assert_eq!(gated.next_started().await, Some(4));
         assert_eq!(gated.lane(4), Lane::Beside);
-        for n in [0, 1, 2, 4] {
+        gated.finish(4);
+        let quick = gated.call(5);
+        let sent = Instant::now();
+        assert_eq!(gated.next_started().await, Some(5));
+        assert_eq!(sent.elapsed(), Duration::ZERO);
+        gated.finish(5);
+        assert_eq!(quick.await.unwrap(), 5);
+        for n in [0, 1, 2] {
             gated.finish(n);
         }
         for (n, call) in (0..).zip(calls) {
