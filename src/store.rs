@@ -419,13 +419,19 @@ impl Store {
         })
     }
 
-    /// Waits for `write` for at most `store.timeout`. A write that outlasts
-    /// it is still at the store (waiting on a row another transaction has
-    /// locked, say): awaited again, it gives that write's outcome.
-    pub async fn within_timeout(&self, write: &mut SettleWrite) -> Result<bool, StoreError> {
-        tokio::time::timeout(self.timeout, write)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+    /// Waits for `write` for at most `store.timeout`: `None` when it
+    /// outlasts that, and is still at the store (waiting on a row another
+    /// transaction has locked, say), to be awaited again for its outcome.
+    pub async fn within_timeout(
+        &self,
+        write: &mut SettleWrite,
+    ) -> Option<Result<bool, StoreError>> {
+        tokio::time::timeout(self.timeout, write).await.ok()
+    }
+
+    /// `store.timeout`.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// See [`Backend::settle`].

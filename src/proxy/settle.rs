@@ -20,10 +20,11 @@ pub(super) enum Unsettled {
     /// The store failed the write.
     Failed,
     /// The write outlasted `store.timeout` and is still at the database
-    /// (waiting on a row another transaction holds, say): its outcome is
-    /// awaited before another is sent, rather than beside it, where it would
-    /// hold a second of the few settle batches at the database, and with
-    /// them every settle queued behind.
+    /// (waiting on a row another transaction holds, say). Its outcome is
+    /// awaited rather than another write sent beside it: that one would
+    /// wait on the same row (the batch's own statement holds the rows of
+    /// the keys before it), holding one more batch and connection for as
+    /// long.
     Pending(SettleWrite),
 }
 
@@ -43,9 +44,18 @@ impl Proxy {
             fence,
             settlement,
         );
+        let mut still_pending = false;
         let written = self
             .metrics
-            .time_store("settle", self.store.within_timeout(&mut write))
+            .time_store("settle", async {
+                self.store
+                    .within_timeout(&mut write)
+                    .await
+                    .unwrap_or_else(|| {
+                        still_pending = true;
+                        Err(StoreError::Timeout(self.store.timeout()))
+                    })
+            })
             .await;
         match written {
             Ok(true) => Ok(()),
@@ -60,9 +70,10 @@ impl Proxy {
             }
             Err(error) => {
                 tracing::warn!(route = &*claim.source, key = claim.key.as_str(), attempt, %error, "settle failed; retrying in the background");
-                Err(match error {
-                    StoreError::Timeout(_) => Unsettled::Pending(write),
-                    _ => Unsettled::Failed,
+                Err(if still_pending {
+                    Unsettled::Pending(write)
+                } else {
+                    Unsettled::Failed
                 })
             }
         }
@@ -110,13 +121,14 @@ impl Proxy {
                             fence,
                             settlement,
                         );
-                        let written = metrics
-                            .time_store("settle", store.within_timeout(&mut write))
-                            .await;
-                        if let Err(StoreError::Timeout(_)) = written {
-                            pending = Some(write);
-                        }
-                        written
+                        metrics
+                            .time_store("settle", async {
+                                store.within_timeout(&mut write).await.unwrap_or_else(|| {
+                                    pending = Some(write);
+                                    Err(StoreError::Timeout(store.timeout()))
+                                })
+                            })
+                            .await
                     }
                 };
                 match written {
