@@ -445,9 +445,8 @@ const MAX_KEY_BYTES_CEILING: usize = 2048;
 
 const MAX_STORE_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// The table's index is named `<table>_received_at_idx`, and PostgreSQL
-/// truncates names past 63 bytes: a longer table name would give the index
-/// its table's own name, and the index would silently not be created.
+/// So that the table's index is named `<table>_received_at_idx` in full, as
+/// the schema has it: PostgreSQL truncates names past 63 bytes.
 const MAX_TABLE_NAME_BYTES: usize = 63 - "_received_at_idx".len();
 
 fn is_table_name(name: &str) -> bool {

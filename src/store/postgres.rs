@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
+use tokio_postgres::{IsolationLevel, Row};
 
 use super::{
     Backend, ClaimRequest, Fence, Forget, KeyFilter, KeyRecord, Migration, PendingClaim,
@@ -147,12 +147,24 @@ impl PostgresStore {
 impl Backend for PostgresStore {
     async fn migrate(&self) -> Result<Migration, StoreError> {
         let mut client = self.client().await?;
-        let transaction = client.transaction().await.map_err(postgres_error)?;
+        // Each statement sees what committed before it, as under the
+        // default `read committed`, whatever the database's default is: the
+        // catalog read after the lock wait must see the index another
+        // replica's migration made meanwhile.
+        let transaction = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::ReadCommitted)
+            .start()
+            .await
+            .map_err(postgres_error)?;
         // Transaction-scoped, so the lock cannot leak through a pooler.
         transaction
             .execute_typed(
                 "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-                &[(&format!("dedupe-proxy migrate {}", self.table), Type::TEXT)],
+                &[(
+                    &format!("dedupe-proxy migrate {}", self.sql.table_regclass),
+                    Type::TEXT,
+                )],
             )
             .await
             .map_err(postgres_error)?;

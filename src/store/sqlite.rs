@@ -305,8 +305,8 @@ impl Backend for SqliteStore {
                     "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE lower(name) = lower(?1))",
                 )?;
                 let create_index = sql::create_index(&table, |name| {
-                    name_taken.query_row([name], |row| row.get(0)).unwrap_or(true)
-                });
+                    name_taken.query_row([name], |row| row.get(0))
+                })?;
                 drop(name_taken);
                 transaction.execute_batch(&create_index)?;
             }

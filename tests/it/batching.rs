@@ -35,8 +35,15 @@ fn request(key: &str) -> ClaimRequest {
 }
 
 async fn open(url: &str) -> Store {
+    open_with_timeout(url, StoreConfig::default().timeout).await
+}
+
+/// A store whose operations may take `timeout`: tests that hold claims on
+/// row locks give the others room to be decided on a loaded machine.
+async fn open_with_timeout(url: &str, timeout: Duration) -> Store {
     let config = StoreConfig {
         url: url.into(),
+        timeout,
         ..StoreConfig::default()
     };
     let store = Store::open(&config).expect("open store");
@@ -766,7 +773,7 @@ async fn claims_behind_a_batch_waiting_on_a_row_lock_still_go_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     let test_store = TestStore::new(Backend::Postgres).await;
-    let store = open(&test_store.url).await;
+    let store = open_with_timeout(&test_store.url, Duration::from_secs(10)).await;
     let done = Settlement {
         status: SettledStatus::Done,
         response_status: Some(200),
@@ -828,7 +835,7 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_behind_two_take_backs_waiting_on_locks_still_go_out() {
     let test_store = TestStore::new(Backend::Postgres).await;
-    let store = open(&test_store.url).await;
+    let store = open_with_timeout(&test_store.url, Duration::from_secs(10)).await;
     for key in ["failed_a", "failed_b"] {
         assert!(won_attempt(&store.claim(&request(key)).await.unwrap()) == Some(1));
         assert!(

@@ -8,6 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::{
     Backend, Behavior, Gate, Relay, TestApp, TestStore, Upstream, until_waiting_on_locks,
+    waiting_on_locks,
 };
 use dedupe_proxy::config::{Config, Mode, OnUnavailable};
 
@@ -605,15 +606,24 @@ async fn a_settle_waiting_on_a_locked_row_holds_up_no_other_keys_settle() {
     let until = std::time::Instant::now() + Duration::from_millis(1500);
     let mut others = 0;
     while std::time::Instant::now() < until {
-        let key: &'static str = Box::leak(format!("evt_other_{others}").into_boxed_str());
-        assert_eq!(app.deliver(key, "{}").await.outcome(), "forwarded", "{key}");
+        let key = format!("evt_other_{others}");
         assert_eq!(
-            status(key).await,
+            app.deliver(&key, "{}").await.outcome(),
+            "forwarded",
+            "{key}"
+        );
+        assert_eq!(
+            status(&key).await,
             "done",
             "{key} is settled before its answer"
         );
         others += 1;
     }
+    assert_eq!(
+        waiting_on_locks(&client).await.len(),
+        1,
+        "the held key's retry waits for its first write instead of sending more"
+    );
 
     holder.batch_execute("COMMIT").await.unwrap();
     let settled = async {

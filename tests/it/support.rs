@@ -227,20 +227,33 @@ pub async fn until_waiting_on_locks(
     observer: &tokio_postgres::Client,
     waiters: i64,
 ) -> Vec<String> {
-    loop {
-        let rows = observer
-            .query(
-                "SELECT query FROM pg_stat_activity
-                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        if rows.len() as i64 >= waiters {
-            return rows.iter().map(|row| row.get(0)).collect();
+    let waiting = async {
+        loop {
+            let queries = waiting_on_locks(observer).await;
+            if queries.len() as i64 >= waiters {
+                return queries;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .unwrap_or_else(|_| panic!("{waiters} statements never waited on locks"))
+}
+
+/// The statements of the test database waiting on a lock.
+pub async fn waiting_on_locks(observer: &tokio_postgres::Client) -> Vec<String> {
+    observer
+        .query(
+            "SELECT query FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
 }
 
 // ---------------------------------------------------------------- upstream

@@ -30,9 +30,9 @@ const CLAIMS_COLUMNS: [(&str, &str, bool); 10] = [
 /// each column's type (NULL where there is none) and whether it is
 /// `NOT NULL`, in their order; whether a unique index on exactly
 /// `(source, event_id)` is in place; the relation's kind (a table, a view…);
-/// and whether an index leads with `received_at`, whatever its name (a
-/// table renamed away keeps its index's name). A missing table fails the
-/// cast.
+/// and whether a B-tree index, which the pruner's range scan can use, leads
+/// with `received_at`, whatever its name (a table renamed away keeps its
+/// index's name). A missing table fails the cast.
 const SHAPE: &str = "SELECT
        (SELECT array_agg(format_type(a.atttypid, a.atttypmod) ORDER BY c.ord)
           FROM unnest($2::text[]) WITH ORDINALITY AS c(name, ord)
@@ -54,8 +54,10 @@ const SHAPE: &str = "SELECT
        (SELECT relkind::text FROM pg_class WHERE oid = $1::regclass),
        EXISTS (SELECT 1 FROM pg_index i
                  JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                 JOIN pg_class ic ON ic.oid = i.indexrelid
+                 JOIN pg_am am ON am.oid = ic.relam
                 WHERE i.indrelid = $1::regclass AND i.indisvalid AND i.indpred IS NULL
-                  AND a.attname = 'received_at')";
+                  AND am.amname = 'btree' AND a.attname = 'received_at')";
 
 /// What the catalog says of the table.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -75,17 +75,21 @@ impl Statements {
 /// `CREATE INDEX` for `table`'s `received_at`, named `<table>_received_at_idx`
 /// unless that name is `taken` (by a table renamed away, say), then with the
 /// first free number after it, as PostgreSQL names one.
-pub(super) fn create_index(table: &str, mut taken: impl FnMut(&str) -> bool) -> String {
+pub(super) fn create_index<E>(
+    table: &str,
+    mut taken: impl FnMut(&str) -> Result<bool, E>,
+) -> Result<String, E> {
     let base = format!("{table}_received_at_idx");
-    let name = std::iter::once(base.clone())
-        .chain((1..).map(|n| format!("{base}{n}")))
-        .find(|name| !taken(name))
-        .expect("a free name");
-    format!(
-        "CREATE INDEX {} ON {} (received_at)",
-        sql_identifier(&name),
-        sql_identifier(table)
-    )
+    for name in std::iter::once(base.clone()).chain((1..).map(|n| format!("{base}{n}"))) {
+        if !taken(&name)? {
+            return Ok(format!(
+                "CREATE INDEX {} ON {} (received_at)",
+                sql_identifier(&name),
+                sql_identifier(table)
+            ));
+        }
+    }
+    unreachable!("the numbers run out before the names do")
 }
 
 #[cfg(test)]
@@ -95,19 +99,25 @@ mod tests {
     #[test]
     fn an_index_takes_the_first_free_name() {
         assert_eq!(
-            create_index("processed_events", |_| false),
-            format!(
+            create_index("processed_events", |_| Ok::<_, ()>(false)),
+            Ok(format!(
                 "CREATE INDEX {} ON {} (received_at)",
                 sql_identifier("processed_events_received_at_idx"),
                 sql_identifier("processed_events")
-            )
+            ))
+        );
+        assert_eq!(
+            create_index("events", |_| Err("no catalog")),
+            Err("no catalog")
         );
         let taken = ["events_received_at_idx", "events_received_at_idx1"];
         assert!(
-            create_index("events", |name| taken.contains(&name)).starts_with(&format!(
-                "CREATE INDEX {} ",
-                sql_identifier("events_received_at_idx2")
-            ))
+            create_index("events", |name| Ok::<_, ()>(taken.contains(&name)))
+                .unwrap()
+                .starts_with(&format!(
+                    "CREATE INDEX {} ",
+                    sql_identifier("events_received_at_idx2")
+                ))
         );
     }
 }
