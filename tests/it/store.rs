@@ -833,3 +833,38 @@ async fn a_table_made_without_defaults_takes_claims() {
         ));
     }
 }
+
+/// Replicas migrating at once on a database whose transactions default to
+/// `serializable` make one index: each reads the catalog after waiting for
+/// the others, under `read committed`, and finds the one made meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_on_a_serializable_database_make_one_index() {
+    let (test_store, store) = open(Backend::Postgres).await;
+    crate::rows::batch(
+        &test_store,
+        "DROP INDEX processed_events_received_at_idx;
+         DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = serializable', current_database()); END $$",
+    )
+    .await;
+    drop(store);
+    let migrations: Vec<_> = (0..4)
+        .map(|_| {
+            let url = test_store.url.clone();
+            tokio::spawn(async move {
+                let config = StoreConfig {
+                    url,
+                    ..StoreConfig::default()
+                };
+                Store::open(&config).expect("open store").migrate().await
+            })
+        })
+        .collect();
+    let mut created = 0;
+    for migration in migrations {
+        if migration.await.unwrap().unwrap() == Migration::CreatedIndex {
+            created += 1;
+        }
+    }
+    assert_eq!(created, 1);
+    assert_eq!(crate::rows::received_at_indexes(&test_store).await.len(), 1);
+}
