@@ -147,16 +147,9 @@ impl PostgresStore {
 impl Backend for PostgresStore {
     async fn migrate(&self) -> Result<Migration, StoreError> {
         let mut client = self.client().await?;
-        // Each statement sees what committed before it, as under the
-        // default `read committed`, whatever the database's default is: the
-        // catalog read after the lock wait must see the index another
+        // The catalog read after the lock wait must see the index another
         // replica's migration made meanwhile.
-        let transaction = client
-            .build_transaction()
-            .isolation_level(IsolationLevel::ReadCommitted)
-            .start()
-            .await
-            .map_err(postgres_error)?;
+        let transaction = read_committed(&mut client).await?;
         // Transaction-scoped, so the lock cannot leak through a pooler.
         transaction
             .execute_typed(
@@ -315,6 +308,22 @@ fn postgres_error(error: tokio_postgres::Error) -> StoreError {
         }
         _ => StoreError::Postgres(error_chain(&error)),
     }
+}
+
+/// A transaction in which each statement sees what committed before it, as
+/// under PostgreSQL's default isolation, whatever the database's or role's
+/// default is: the migration and the operator's commands lock a row or wait
+/// for a lock and then read what they waited for, which `repeatable read`
+/// or `serializable` would refuse as a conflict instead.
+async fn read_committed(
+    client: &mut Connection,
+) -> Result<deadpool_postgres::Transaction<'_>, StoreError> {
+    client
+        .build_transaction()
+        .isolation_level(IsolationLevel::ReadCommitted)
+        .start()
+        .await
+        .map_err(postgres_error)
 }
 
 /// `PostgreSQL at host:port/database`, each host of a multi-host URL listed.

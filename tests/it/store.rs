@@ -10,7 +10,7 @@ use dedupe_proxy::store::{
 };
 
 use crate::on_both_stores;
-use crate::support::{Backend, TestStore, settle_attempt};
+use crate::support::{Backend, TestStore, settle_attempt, until_waiting_on_locks};
 
 on_both_stores!(
     a_new_key_is_won_then_in_flight_then_done,
@@ -867,4 +867,45 @@ async fn concurrent_migrations_on_a_serializable_database_make_one_index() {
     }
     assert_eq!(created, 1);
     assert_eq!(crate::rows::received_at_indexes(&test_store).await.len(), 1);
+}
+
+/// The operator's commands lock a key's row, waiting for whoever holds it,
+/// and then work on what they waited for: under a `serializable` default
+/// that would be refused as a conflict, so they run under `read committed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forget_waits_for_a_held_row_under_a_serializable_default() {
+    let (test_store, store) = open(Backend::Postgres).await;
+    let claim = store.claim(&request("k", b"body", MINUTE)).await.unwrap();
+    assert!(matches!(claim, Claim::Won { .. }));
+    let done = Settlement {
+        status: SettledStatus::Done,
+        response_status: Some(200),
+    };
+    assert!(settle_attempt(&store, "src", "k", 1, done).await.unwrap());
+    crate::rows::batch(
+        &test_store,
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = serializable', current_database()); END $$",
+    )
+    .await;
+    // Connections opened from now on take the new default.
+    let config = StoreConfig {
+        url: test_store.url.clone(),
+        ..StoreConfig::default()
+    };
+    let fresh = Store::open(&config).expect("open store");
+    let holder = test_store.postgres().await;
+    holder
+        .batch_execute(
+            "BEGIN; UPDATE processed_events SET response_status = 201 WHERE event_id = 'k'",
+        )
+        .await
+        .unwrap();
+    let forget = tokio::spawn(async move { fresh.forget("src", "k", false).await });
+    until_waiting_on_locks(&test_store.postgres().await, 1).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert!(
+        matches!(forget.await.unwrap(), Ok(Forget::Forgotten)),
+        "forgotten once the row is let go"
+    );
+    assert!(crate::rows::keys(&test_store).await.is_empty());
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use tokio_postgres::Row;
 use tokio_postgres::types::Type;
 
-use super::{Params, PostgresStore, postgres_error};
+use super::{Params, PostgresStore, postgres_error, read_committed};
 use crate::store::sql_identifier;
 use crate::store::{
     Forget, KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources, StoreError,
@@ -120,7 +120,7 @@ impl PostgresStore {
         force: bool,
     ) -> Result<Forget, StoreError> {
         let mut client = self.client().await?;
-        let transaction = client.transaction().await.map_err(postgres_error)?;
+        let transaction = read_committed(&mut client).await?;
         let params: &Params<'_> = &[(&source, Type::TEXT), (&key, Type::TEXT)];
         // Locked, so that no claim takes the key between the look and the
         // delete.
@@ -145,7 +145,7 @@ impl PostgresStore {
 
     pub(super) async fn release_key(&self, source: &str, key: &str) -> Result<Release, StoreError> {
         let mut client = self.client().await?;
-        let transaction = client.transaction().await.map_err(postgres_error)?;
+        let transaction = read_committed(&mut client).await?;
         // Locking the row first makes "missing", "not processing" and the
         // update one decision.
         let status = transaction
@@ -187,7 +187,7 @@ impl PostgresStore {
         let older_than_ms =
             i64::try_from(group.older_than.min(LONGEST_HORIZON).as_millis()).unwrap_or(i64::MAX);
         let mut client = self.client().await?;
-        let transaction = client.transaction().await.map_err(postgres_error)?;
+        let transaction = read_committed(&mut client).await?;
         let locked: bool = transaction
             .query_typed_one(
                 "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))",
