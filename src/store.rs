@@ -202,6 +202,17 @@ pub enum Migration {
     UpToDate,
 }
 
+impl Migration {
+    /// What a migration that found the table and its index, or not, did.
+    pub(crate) fn after(table_existed: bool, index_existed: bool) -> Self {
+        match (table_existed, index_existed) {
+            (false, _) => Migration::CreatedTable,
+            (true, false) => Migration::CreatedIndex,
+            (true, true) => Migration::UpToDate,
+        }
+    }
+}
+
 /// A settle's write, owned, so that it can outlive the request that began it.
 pub type SettleWrite = std::pin::Pin<Box<dyn Future<Output = Result<bool, StoreError>> + Send>>;
 
@@ -442,7 +453,10 @@ impl Store {
         fence: Fence,
         settlement: Settlement,
     ) -> Result<bool, StoreError> {
-        dispatch!(self, backend => backend.settle(source, key, fence, settlement))
+        let mut write = self.settle_write(Arc::from(source), key.to_owned(), fence, settlement);
+        self.within_timeout(&mut write)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
     }
 
     /// See [`Backend::list`].

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use super::Proxy;
 use super::open_claims::ClaimGuard;
-use crate::store::{ClaimRequest, Fence, SettleWrite, Settlement, StoreError};
+use crate::metrics::Metrics;
+use crate::store::{ClaimRequest, Fence, SettleWrite, Settlement, Store, StoreError};
 
 /// The longest pause between retries of a settle, in the background and at
 /// shutdown.
@@ -38,26 +39,7 @@ impl Proxy {
         settlement: Settlement,
     ) -> Result<(), Unsettled> {
         let attempt = fence.attempt;
-        let mut write = self.store.settle_write(
-            Arc::clone(&claim.source),
-            claim.key.clone(),
-            fence,
-            settlement,
-        );
-        let mut still_pending = false;
-        let written = self
-            .metrics
-            .time_store("settle", async {
-                self.store
-                    .within_timeout(&mut write)
-                    .await
-                    .unwrap_or_else(|| {
-                        still_pending = true;
-                        Err(StoreError::Timeout(self.store.timeout()))
-                    })
-            })
-            .await;
-        match written {
+        match send_settle(&self.store, &self.metrics, claim, fence, settlement).await {
             Ok(true) => Ok(()),
             Ok(false) => {
                 tracing::warn!(
@@ -68,13 +50,9 @@ impl Proxy {
                 );
                 Ok(())
             }
-            Err(error) => {
+            Err((error, unsettled)) => {
                 tracing::warn!(route = &*claim.source, key = claim.key.as_str(), attempt, %error, "settle failed; retrying in the background");
-                Err(if still_pending {
-                    Unsettled::Pending(write)
-                } else {
-                    Unsettled::Failed
-                })
+                Err(unsettled)
             }
         }
     }
@@ -115,20 +93,14 @@ impl Proxy {
                     None if Instant::now() + delay >= give_up_at => break,
                     None => {
                         tokio::time::sleep(delay).await;
-                        let mut write = store.settle_write(
-                            Arc::clone(&claim.source),
-                            claim.key.clone(),
-                            fence,
-                            settlement,
-                        );
-                        metrics
-                            .time_store("settle", async {
-                                store.within_timeout(&mut write).await.unwrap_or_else(|| {
-                                    pending = Some(write);
-                                    Err(StoreError::Timeout(store.timeout()))
-                                })
-                            })
+                        send_settle(&store, &metrics, &claim, fence, settlement)
                             .await
+                            .map_err(|(error, unsettled)| {
+                                if let Unsettled::Pending(write) = unsettled {
+                                    pending = Some(write);
+                                }
+                                error
+                            })
                     }
                 };
                 match written {
@@ -168,4 +140,39 @@ impl Proxy {
             );
         });
     }
+}
+
+/// Sends a settle and waits for it for `store.timeout`, timed as the store's
+/// `settle`. A write that outlasts that comes back with the error as
+/// [`Unsettled::Pending`], still at the database.
+async fn send_settle(
+    store: &Store,
+    metrics: &Metrics,
+    claim: &ClaimRequest,
+    fence: Fence,
+    settlement: Settlement,
+) -> Result<bool, (StoreError, Unsettled)> {
+    let mut write = store.settle_write(
+        Arc::clone(&claim.source),
+        claim.key.clone(),
+        fence,
+        settlement,
+    );
+    let mut still_pending = false;
+    let written = metrics
+        .time_store("settle", async {
+            store.within_timeout(&mut write).await.unwrap_or_else(|| {
+                still_pending = true;
+                Err(StoreError::Timeout(store.timeout()))
+            })
+        })
+        .await;
+    written.map_err(|error| {
+        let unsettled = if still_pending {
+            Unsettled::Pending(write)
+        } else {
+            Unsettled::Failed
+        };
+        (error, unsettled)
+    })
 }

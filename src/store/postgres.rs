@@ -198,13 +198,7 @@ impl Backend for PostgresStore {
                 .map_err(postgres_error)?;
         }
         transaction.commit().await.map_err(postgres_error)?;
-        Ok(if !table_existed {
-            Migration::CreatedTable
-        } else if !shape.indexed {
-            Migration::CreatedIndex
-        } else {
-            Migration::UpToDate
-        })
+        Ok(Migration::after(table_existed, shape.indexed))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -281,11 +281,7 @@ fn ms_since_epoch(time: SystemTime) -> i64 {
 
 impl Backend for SqliteStore {
     async fn migrate(&self) -> Result<Migration, StoreError> {
-        let (create_table, indexed, probe) = (
-            self.sql.create_table.clone(),
-            self.sql.indexed.clone(),
-            self.sql.probe.clone(),
-        );
+        let (create_table, probe) = (self.sql.create_table.clone(), self.sql.probe.clone());
         let table = self.table.clone();
         self.call(move |connection| {
             // Under the write lock, so that of several processes migrating
@@ -299,7 +295,7 @@ impl Backend for SqliteStore {
             )?;
             transaction.execute_batch(&create_table)?;
             transaction.prepare(&probe).map(drop)?;
-            let has_index: bool = transaction.query_row(&indexed, [&table], |row| row.get(0))?;
+            let has_index: bool = transaction.query_row(sql::INDEXED, [&table], |row| row.get(0))?;
             if !has_index {
                 let mut name_taken = transaction.prepare(
                     "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE lower(name) = lower(?1))",
@@ -311,11 +307,7 @@ impl Backend for SqliteStore {
                 transaction.execute_batch(&create_index)?;
             }
             transaction.commit()?;
-            Ok(match (existed, has_index) {
-                (false, _) => Migration::CreatedTable,
-                (true, false) => Migration::CreatedIndex,
-                (true, true) => Migration::UpToDate,
-            })
+            Ok(Migration::after(existed, has_index))
         })
         .await
         .map_err(|error| self.shape_error(error))

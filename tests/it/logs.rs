@@ -191,14 +191,31 @@ async fn a_webhook_cut_off_at_the_grace_deadline_is_logged_with_its_key() {
     );
 }
 
+/// A proxy on a new PostgreSQL test database, ready.
+async fn ready_on_postgres() -> (TestStore, Upstream, ProxyProcess) {
+    let store = TestStore::new(Backend::Postgres).await;
+    let upstream = Upstream::start().await;
+    let proxy = ProxyProcess::start(&config(&upstream, &store.url, "")).await;
+    proxy.wait_ready().await;
+    (store, upstream, proxy)
+}
+
+/// The `claim failed` line the proxy logged, once it has stopped.
+async fn claim_failed_line(mut proxy: ProxyProcess) -> String {
+    proxy.terminate();
+    proxy
+        .all_log_lines()
+        .await
+        .into_iter()
+        .find(|line| line.contains("claim failed"))
+        .expect("a claim failure was logged")
+}
+
 /// A connection the server ends is logged with the server's reason, not
 /// only tokio-postgres's "db error".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_the_server_ends_is_logged_with_its_reason() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let upstream = Upstream::start().await;
-    let mut proxy = ProxyProcess::start(&config(&upstream, &store.url, "")).await;
-    proxy.wait_ready().await;
+    let (store, _upstream, mut proxy) = ready_on_postgres().await;
     assert_eq!(deliver(&proxy, "evt_before").await.outcome(), "forwarded");
     store
         .postgres()
@@ -228,15 +245,10 @@ async fn store_errors_are_logged_with_the_servers_message() {
     let store = TestStore::new(Backend::Postgres).await;
     let missing = store.url.rsplit_once('/').unwrap().0.to_owned() + "/dedupe_no_such_database";
     let upstream = Upstream::start().await;
-    let mut proxy = ProxyProcess::start(&config(&upstream, &missing, "")).await;
+    let proxy = ProxyProcess::start(&config(&upstream, &missing, "")).await;
     let refused = deliver(&proxy, "evt_nodb").await;
     assert_eq!(refused.status, 503);
-    proxy.terminate();
-    let lines = proxy.all_log_lines().await;
-    let claim_failed = lines
-        .iter()
-        .find(|line| line.contains("claim failed"))
-        .expect("a claim failure was logged");
+    let claim_failed = claim_failed_line(proxy).await;
     assert!(
         claim_failed.contains(r#"database \"dedupe_no_such_database\" does not exist"#),
         "{claim_failed}"
@@ -255,10 +267,7 @@ async fn store_errors_are_logged_with_the_servers_message() {
 /// how to free it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_cut_off_at_the_database_says_how_to_free_its_key() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let upstream = Upstream::start().await;
-    let mut proxy = ProxyProcess::start(&config(&upstream, &store.url, "")).await;
-    proxy.wait_ready().await;
+    let (store, _upstream, proxy) = ready_on_postgres().await;
     let mut holder = store.postgres().await;
     let insert = holder.transaction().await.unwrap();
     insert
@@ -281,12 +290,7 @@ async fn a_claim_cut_off_at_the_database_says_how_to_free_its_key() {
         .unwrap();
     assert_eq!(delivery.await.unwrap().status, 503);
     insert.rollback().await.unwrap();
-    proxy.terminate();
-    let lines = proxy.all_log_lines().await;
-    let claim_failed = lines
-        .iter()
-        .find(|line| line.contains("claim failed"))
-        .expect("a claim failure was logged");
+    let claim_failed = claim_failed_line(proxy).await;
     assert!(
         claim_failed.contains(r#""key":"evt_cut""#)
             && claim_failed.contains("dedupe-proxy keys release frees it"),

@@ -6,9 +6,6 @@ use crate::store::{COLUMNS, sql_identifier};
 /// The statements, with the table's name in them.
 pub(super) struct Statements {
     pub(super) create_table: String,
-    /// Whether an index leads with `received_at`, whatever its name (a
-    /// table renamed away keeps its index's name).
-    pub(super) indexed: String,
     pub(super) prior: String,
     pub(super) claim: String,
     pub(super) settle: String,
@@ -36,9 +33,6 @@ impl Statements {
                    PRIMARY KEY (source, event_id)
                  ) WITHOUT ROWID"
             ),
-            indexed: "SELECT EXISTS (SELECT 1 FROM pragma_index_list(?1) AS l, pragma_index_info(l.name) AS i
-                                      WHERE l.partial = 0 AND i.seqno = 0 AND i.name = 'received_at')"
-                .to_owned(),
             prior: format!(
                 "SELECT status, payload_sha256, received_at FROM {table}
                   WHERE source = ?1 AND event_id = ?2"
@@ -71,6 +65,12 @@ impl Statements {
         }
     }
 }
+
+/// With `?1` the table: whether an index leads with `received_at`, whatever
+/// its name (a table renamed away keeps its index's name).
+pub(super) const INDEXED: &str =
+    "SELECT EXISTS (SELECT 1 FROM pragma_index_list(?1) AS l, pragma_index_info(l.name) AS i
+                        WHERE l.partial = 0 AND i.seqno = 0 AND i.name = 'received_at')";
 
 /// `CREATE INDEX` for `table`'s `received_at`, named `<table>_received_at_idx`
 /// unless that name is `taken` (by a table renamed away, say), then with the
