@@ -10,8 +10,8 @@
 //! means is up to the `run` function it is given.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -22,7 +22,7 @@ use super::StoreError;
 /// One queued call.
 struct Job<Request, Response> {
     request: Request,
-    reply: oneshot::Sender<Result<Response, StoreError>>,
+    reply: ReplySender<Response>,
     queued_at: Instant,
 }
 
@@ -74,6 +74,51 @@ pub trait Outcome {
 
 impl Outcome for bool {}
 
+/// A batch's replies, which it may send one at a time before it returns: a
+/// request the database has decided need not wait for the rest of its
+/// batch. A request's first reply is the one its caller gets.
+pub struct Replies<Response> {
+    senders: Arc<Mutex<Vec<Option<ReplySender<Response>>>>>,
+}
+
+type ReplySender<Response> = oneshot::Sender<Result<Response, StoreError>>;
+
+impl<Response> Clone for Replies<Response> {
+    fn clone(&self) -> Self {
+        Self {
+            senders: Arc::clone(&self.senders),
+        }
+    }
+}
+
+impl<Response> Replies<Response> {
+    fn new(senders: Vec<ReplySender<Response>>) -> Self {
+        Self {
+            senders: Arc::new(Mutex::new(senders.into_iter().map(Some).collect())),
+        }
+    }
+
+    /// Replies to the batch's `index`th request, unless it has had its reply.
+    pub fn send(&self, index: usize, result: Result<Response, StoreError>) {
+        let sender = self
+            .senders
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(index)
+            .and_then(Option::take);
+        if let Some(sender) = sender {
+            let _ = sender.send(result);
+        }
+    }
+
+    /// Replies for a batch run outside a queue, and their receiving ends.
+    #[cfg(test)]
+    pub fn for_test(count: usize) -> (Self, Vec<oneshot::Receiver<Result<Response, StoreError>>>) {
+        let (senders, receivers) = (0..count).map(|_| oneshot::channel()).unzip();
+        (Self::new(senders), receivers)
+    }
+}
+
 /// A handle to a coalescing queue; cheap to clone.
 pub struct Coalescer<Request, Response> {
     queue: mpsc::UnboundedSender<Job<Request, Response>>,
@@ -103,6 +148,16 @@ where
     pub fn start<Run, Fut>(limits: Limits, run: Run) -> Self
     where
         Run: Fn(Vec<Request>, Lane) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Vec<Result<Response, StoreError>>> + Send + 'static,
+    {
+        Self::start_with_replies(limits, move |batch, lane, _replies| run(batch, lane))
+    }
+
+    /// As [`Coalescer::start`], with `run` also given the batch's
+    /// [`Replies`], to answer some of its requests before it returns.
+    pub fn start_with_replies<Run, Fut>(limits: Limits, run: Run) -> Self
+    where
+        Run: Fn(Vec<Request>, Lane, Replies<Response>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<Result<Response, StoreError>>> + Send + 'static,
     {
         let (queue, jobs) = mpsc::unbounded_channel();
@@ -169,7 +224,7 @@ async fn dispatch<Request, Response, Run, Fut>(
 ) where
     Request: Send + 'static,
     Response: Outcome + Send + 'static,
-    Run: Fn(Vec<Request>, Lane) -> Fut + Send + Sync + 'static,
+    Run: Fn(Vec<Request>, Lane, Replies<Response>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Vec<Result<Response, StoreError>>> + Send + 'static,
 {
     // One batch at a time is the fastest way through the database: a second
@@ -252,7 +307,8 @@ async fn dispatch<Request, Response, Run, Fut>(
                 .map(|job| (job.request, job.reply))
                 .unzip();
             let expected = requests.len();
-            let mut results = run(requests, lane).await;
+            let replies = Replies::new(replies);
+            let mut results = run(requests, lane, replies.clone()).await;
             if results.len() != expected {
                 let error = StoreError::Postgres(format!(
                     "a batch of {expected} returned {} results",
@@ -267,8 +323,8 @@ async fn dispatch<Request, Response, Run, Fut>(
                 Ordering::Relaxed,
             );
             drop(slot);
-            for (reply, result) in replies.into_iter().zip(results) {
-                let _ = reply.send(result);
+            for (index, result) in results.into_iter().enumerate() {
+                replies.send(index, result);
             }
         });
     }
@@ -625,6 +681,31 @@ mod tests {
             sizes.len() < 20,
             "concurrent calls were coalesced: {sizes:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_request_answered_early_has_its_reply_before_its_batch_is_done() {
+        let (finish, finished) = oneshot::channel::<()>();
+        let finished = Arc::new(Mutex::new(Some(finished)));
+        let queue = Coalescer::start_with_replies(
+            one_at_a_time(4),
+            move |batch: Vec<u32>, _lane, replies: Replies<u32>| {
+                let finished = finished.lock().unwrap().take();
+                async move {
+                    let early = batch.iter().position(|&n| n == 2).unwrap();
+                    replies.send(early, Ok(20));
+                    if let Some(finished) = finished {
+                        finished.await.unwrap();
+                    }
+                    // Already answered: this one is not the reply it gets.
+                    batch.into_iter().map(|n| Ok(n * 100)).collect()
+                }
+            },
+        );
+        let (first, second) = (queue.enqueue(1).unwrap(), queue.enqueue(2).unwrap());
+        assert_eq!(second.await.unwrap().unwrap(), 20);
+        finish.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap(), 100);
     }
 
     #[tokio::test]

@@ -18,7 +18,7 @@ pub(super) use claim::TakingBack;
 
 use super::sql::Statements;
 use super::{Connection, Params, Session, postgres_error};
-use crate::store::coalesce::{Coalescer, Limits, Outcome};
+use crate::store::coalesce::{Coalescer, Limits, Outcome, Replies};
 use crate::store::{Claim, ClaimRequest, Fence, Settlement, StoreError};
 
 /// The coalescing queues, started on first use (they need a runtime).
@@ -107,14 +107,15 @@ impl Batches {
             session: Arc::clone(session),
             sql: Arc::clone(sql),
             connection: None,
+            stuck_after: settle_limits.stuck_after,
         };
         let settle_runner = runner.clone();
         Self {
             claims: Coalescer::start(claim_limits, move |batch, lane| {
                 runner.clone().claim_batch(batch, lane)
             }),
-            settles: Coalescer::start(settle_limits, move |batch, _lane| {
-                settle_runner.clone().settle_batch(batch)
+            settles: Coalescer::start_with_replies(settle_limits, move |batch, _lane, replies| {
+                settle_runner.clone().settle_batch(batch, replies)
             }),
         }
     }
@@ -200,6 +201,9 @@ struct BatchRunner {
     /// The connection the batch's statements go to; without one, each takes
     /// a connection from the pool.
     connection: Option<Arc<Connection>>,
+    /// How long a settle statement may wait before the keys it has not
+    /// reached are settled beside it (see `settle_unlocked`).
+    stuck_after: Duration,
 }
 
 impl BatchRunner {
@@ -212,9 +216,9 @@ impl BatchRunner {
         }
     }
 
-    /// One statement for the round; if the database refuses it (rather than
-    /// being unreachable), each key is retried alone, so that a row it cannot
-    /// take fails only its own request.
+    /// One claim statement for the round; if the database refuses it (rather
+    /// than being unreachable), each key is retried alone, so that a row it
+    /// cannot take fails only its own request.
     async fn isolated<R: Round>(&self, requests: &[&R]) -> Vec<Result<R::Outcome, StoreError>> {
         match R::run(self, requests).await {
             Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
@@ -234,7 +238,8 @@ impl BatchRunner {
     /// key at a time, and a key queued twice is settled in a later round:
     /// one statement updates a row once, with whichever of its input rows
     /// PostgreSQL picks, and a `done` must win over its own attempt's
-    /// release whichever comes first.
+    /// release whichever comes first. A key settled before the rest of its
+    /// round (see `settle_round`) has its reply at once.
     ///
     /// A round goes out in key order (byte order, as claims lock theirs):
     /// the statement locks rows in the order of its input, so two batches
@@ -242,19 +247,79 @@ impl BatchRunner {
     /// keys, wait on each other instead of deadlocking. Sorting here, not
     /// in the statement, costs the database nothing: a locking sort there
     /// would write a lock record for every row it then updates anyway.
-    async fn settle_batch(self, requests: Vec<SettleRequest>) -> Vec<Result<bool, StoreError>> {
+    async fn settle_batch(
+        self,
+        requests: Vec<SettleRequest>,
+        replies: Replies<bool>,
+    ) -> Vec<Result<bool, StoreError>> {
         let mut outcomes = vec![Ok(false); requests.len()];
         for mut round in rounds(&requests, |r| (&r.source, &r.key)) {
             round.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
             let sorted: Vec<&SettleRequest> = round.iter().map(|&i| &requests[i]).collect();
-            for (index, outcome) in round.into_iter().zip(self.isolated(&sorted).await) {
+            let settled_early = |position: usize| replies.send(round[position], Ok(true));
+            let round_outcomes = self.settle_isolated(&sorted, settled_early).await;
+            for (&index, outcome) in round.iter().zip(round_outcomes) {
                 outcomes[index] = outcome;
             }
         }
         outcomes
     }
 
-    async fn settle_round(&self, requests: &[&SettleRequest]) -> Result<Vec<bool>, StoreError> {
+    /// One settle statement for the round; if the database refuses it, each
+    /// key it did not settle early is retried alone, so that a row it cannot
+    /// settle fails only its own request.
+    async fn settle_isolated(
+        &self,
+        requests: &[&SettleRequest],
+        settled_early: impl Fn(usize),
+    ) -> Vec<Result<bool, StoreError>> {
+        let mut early = vec![false; requests.len()];
+        let outcome = self
+            .settle_round(requests, |position| {
+                early[position] = true;
+                settled_early(position);
+            })
+            .await;
+        match outcome {
+            Ok(settled) => settled
+                .into_iter()
+                .zip(&early)
+                .map(|(settled, &early)| Ok(settled || early))
+                .collect(),
+            Err(StoreError::Refused(_)) if requests.len() > 1 => {
+                let mut outcomes = Vec::with_capacity(requests.len());
+                for (request, &early) in requests.iter().zip(&early) {
+                    outcomes.push(if early {
+                        Ok(true)
+                    } else {
+                        let alone = self.settle_round(&[*request], |_| {}).await;
+                        alone.map(|settled| settled[0])
+                    });
+                }
+                outcomes
+            }
+            Err(error) => early
+                .iter()
+                .map(|&early| if early { Ok(true) } else { Err(error.clone()) })
+                .collect(),
+        }
+    }
+
+    /// Settles the round's keys in one statement: whether each was settled.
+    ///
+    /// A statement of several keys that waits `stuck_after` is waiting on a
+    /// row another transaction holds (an operator's open transaction, a long
+    /// `UPDATE`), and every key after that row in its order waits with it,
+    /// unsettled for as long as the row is held: past their leases another
+    /// replica would take them back and forward them again. So the keys no
+    /// one holds are then settled beside it (`settle_unlocked`), and each is
+    /// passed to `settled_early` as it is; the waiting statement finds them
+    /// settled when it gets to them, and leaves them be.
+    async fn settle_round(
+        &self,
+        requests: &[&SettleRequest],
+        mut settled_early: impl FnMut(usize),
+    ) -> Result<Vec<bool>, StoreError> {
         let rows = match requests {
             [one] => {
                 let params: &Params<'_> = &[
@@ -287,18 +352,42 @@ impl BatchRunner {
                     (&statuses, Type::TEXT_ARRAY),
                     (&response_statuses, Type::INT2_ARRAY),
                 ];
-                self.query(&self.sql.settle, params).await?
+                let mut statement = std::pin::pin!(self.query(&self.sql.settle, params));
+                match tokio::time::timeout(self.stuck_after, &mut statement).await {
+                    Ok(rows) => rows?,
+                    Err(_stuck) => {
+                        // On a connection of its own: this one is waiting.
+                        match self.session.query(&self.sql.settle_unlocked, params).await {
+                            Ok(rows) => {
+                                for position in ordinals(&rows, requests.len()) {
+                                    settled_early(position);
+                                }
+                            }
+                            // The waiting statement still settles them, in time.
+                            Err(error) => tracing::debug!(
+                                %error,
+                                "cannot settle the keys of a waiting settle statement beside it"
+                            ),
+                        }
+                        statement.await?
+                    }
+                }
             }
         };
         let mut settled = vec![false; requests.len()];
-        for row in &rows {
-            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            if let Some(slot) = settled.get_mut(index) {
-                *slot = true;
-            }
+        for position in ordinals(&rows, requests.len()) {
+            settled[position] = true;
         }
         Ok(settled)
     }
+}
+
+/// The positions in a round named by `rows`' first column, the input's
+/// ordinal (from 1).
+fn ordinals(rows: &[Row], round: usize) -> impl Iterator<Item = usize> + '_ {
+    rows.iter()
+        .filter_map(|row| usize::try_from(row.get::<_, i64>(0) - 1).ok())
+        .filter(move |&position| position < round)
 }
 
 /// What one round of a batch runs: claims or settles, as one statement for
@@ -311,14 +400,6 @@ trait Round: Sized {
         runner: &BatchRunner,
         requests: &[&Self],
     ) -> Result<Vec<Self::Outcome>, StoreError>;
-}
-
-impl Round for SettleRequest {
-    type Outcome = bool;
-
-    async fn run(runner: &BatchRunner, requests: &[&Self]) -> Result<Vec<bool>, StoreError> {
-        runner.settle_round(requests).await
-    }
 }
 
 /// Refreshes the table's statistics, so that every connection's cached
@@ -350,6 +431,129 @@ fn response_status(request: &SettleRequest) -> Option<i16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::StoreConfig;
+    use crate::store::postgres::PostgresStore;
+    use crate::store::{Backend, SettledStatus};
+
+    async fn connect(url: &str) -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .expect("DATABASE_URL names a reachable server");
+        tokio::spawn(connection);
+        client
+    }
+
+    /// The settle statement locks its rows in key order, so one waiting on
+    /// `b` has updated `a` (and holds it until it commits) and not reached
+    /// `c`. `c` is settled beside it, and its reply goes at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_a_settle_waiting_on_a_held_row_has_not_reached_are_settled_beside_it() {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        let table = format!("settled_beside_{}", std::process::id());
+        let config = StoreConfig {
+            table: table.clone(),
+            ..StoreConfig::default()
+        };
+        let store = PostgresStore::new(&url, &config).unwrap();
+        store.migrate().await.unwrap();
+        let client = connect(&url).await;
+        let claimed = client
+            .query(
+                &format!(
+                    "INSERT INTO {table} (source, event_id, status, claimed_at, lease_expires_at)
+                     SELECT 'orders', k, 'processing', now(), now() + interval '5 minutes'
+                       FROM unnest(ARRAY['a', 'b', 'c']) k
+                     RETURNING event_id, claimed_at"
+                ),
+                &[],
+            )
+            .await
+            .unwrap();
+        let request = |key: &str| SettleRequest {
+            source: "orders".into(),
+            key: key.into(),
+            fence: Fence {
+                attempt: 1,
+                claimed_at: claimed
+                    .iter()
+                    .find(|row| row.get::<_, &str>(0) == key)
+                    .unwrap()
+                    .get(1),
+            },
+            settlement: Settlement {
+                status: SettledStatus::Done,
+                response_status: Some(200),
+            },
+        };
+        let holder = connect(&url).await;
+        holder
+            .batch_execute(&format!(
+                "BEGIN; SELECT 1 FROM {table} WHERE event_id = 'b' FOR UPDATE"
+            ))
+            .await
+            .unwrap();
+        let runner = BatchRunner {
+            session: Arc::clone(&store.session),
+            sql: Arc::clone(&store.sql),
+            connection: None,
+            stuck_after: Duration::from_millis(50),
+        };
+        // In queue order, not key order: replies go by queue position.
+        let (replies, mut receivers) = Replies::for_test(3);
+        let batch = tokio::spawn(
+            runner.settle_batch(vec![request("c"), request("b"), request("a")], replies),
+        );
+        let c = tokio::time::timeout(Duration::from_secs(10), receivers.remove(0))
+            .await
+            .expect("c's reply comes while b is held")
+            .unwrap();
+        assert!(matches!(c, Ok(true)), "{c:?}");
+        let status = |key: &'static str| {
+            let (client, table) = (&client, &table);
+            async move {
+                client
+                    .query_one(
+                        &format!("SELECT status FROM {table} WHERE event_id = $1"),
+                        &[&key],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, String>(0)
+            }
+        };
+        assert_eq!(
+            status("c").await,
+            "done",
+            "committed beside the waiting statement"
+        );
+        assert_eq!(
+            status("a").await,
+            "processing",
+            "held by the waiting statement"
+        );
+        assert!(!batch.is_finished(), "the statement still waits on b");
+
+        holder.batch_execute("COMMIT").await.unwrap();
+        let outcomes = batch.await.unwrap();
+        assert!(
+            outcomes.iter().all(|outcome| matches!(outcome, Ok(true))),
+            "{outcomes:?}"
+        );
+        for mut receiver in receivers {
+            assert!(
+                receiver.try_recv().is_err(),
+                "a and b are answered with the batch, by its queue"
+            );
+        }
+        for key in ["a", "b", "c"] {
+            assert_eq!(status(key).await, "done", "{key}");
+        }
+        client
+            .batch_execute(&format!("DROP TABLE {table}"))
+            .await
+            .unwrap();
+    }
 
     #[test]
     fn the_table_is_analyzed_once_per_threshold_as_inserted_rows_grow() {

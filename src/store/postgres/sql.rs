@@ -5,8 +5,8 @@ use crate::store::sql_identifier;
 
 /// The statements the request path and `migrate` run.
 ///
-/// The request path's six (claim, settle, their one-key forms, retake and
-/// recheck) carry a guard: their last parameter must be this process's
+/// The request path's seven (claim, settle, their one-key forms, retake,
+/// recheck and the settle of unlocked keys) carry a guard: their last parameter must be this process's
 /// `instance`, written into their text, or the statement fails with
 /// division by zero before it changes anything. A transaction-pooling
 /// PgBouncer that does not track prepared statements can hand a named
@@ -31,6 +31,9 @@ pub(super) struct Statements {
     /// a plain statement, with no arrays to unpack and join.
     pub(super) claim_one: String,
     pub(super) settle_one: String,
+    /// Settles those of a settle statement's keys that no transaction holds
+    /// locked, while that statement waits on one that is.
+    pub(super) settle_unlocked: String,
     /// Takes back the keys a claim found failed or expired.
     pub(super) retake: String,
     /// Reads the keys a claim lost to a row it could not see (see
@@ -238,6 +241,41 @@ impl Statements {
                    FROM (SELECT 1) one
                    LEFT JOIN inserted c ON true
                    LEFT JOIN prior p ON true"
+            ),
+            // Sent beside a settle statement that has waited long enough to
+            // be waiting on a row another transaction holds, with the same
+            // parameters. The waiting statement has updated the rows before
+            // that one in its order, and holds them until it can commit; the
+            // rows after it are still as they were, and their leases run on.
+            // This one settles those, each fenced as the settle fences it,
+            // and skips every row another transaction holds: the waiting
+            // statement's, and the one it waits on. It waits on no lock, so
+            // it cannot deadlock with the waiting statement; that one, when
+            // it goes on, finds the rows settled here no longer settleable
+            // and leaves them be. Run only for a settle that has waited, so
+            // the locking, which writes a lock record for every row it then
+            // updates, costs the normal course nothing.
+            settle_unlocked: format!(
+                "WITH u AS (
+                   SELECT * FROM {settle_arrays}
+                            WITH ORDINALITY AS u(source, event_id, attempt, claimed_at, status,
+                                                 response_status, ord)
+                    WHERE {seventh_guard}
+                 ), unlocked AS (
+                   SELECT u.ord
+                     FROM u JOIN {table} e ON e.source = u.source AND e.event_id = u.event_id
+                    WHERE e.attempts = u.attempt AND e.claimed_at = u.claimed_at
+                      AND {settleable_each}
+                      FOR UPDATE OF e SKIP LOCKED
+                 )
+                 UPDATE {table} AS e
+                    SET status = u.status, response_status = u.response_status,
+                        completed_at = now(), lease_expires_at = NULL
+                   FROM u JOIN unlocked USING (ord)
+                  WHERE e.source = u.source AND e.event_id = u.event_id
+                    AND e.attempts = u.attempt AND e.claimed_at = u.claimed_at
+                    AND {settleable_each}
+                 RETURNING u.ord"
             ),
             settle_one: format!(
                 "UPDATE {table}
