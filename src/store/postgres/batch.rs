@@ -455,9 +455,14 @@ mod tests {
             table: table.clone(),
             ..StoreConfig::default()
         };
+        let client = connect(&url).await;
+        // Left behind by a run that failed before its end.
+        client
+            .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
+            .await
+            .unwrap();
         let store = PostgresStore::new(&url, &config).unwrap();
         store.migrate().await.unwrap();
-        let client = connect(&url).await;
         let claimed = client
             .query(
                 &format!(
