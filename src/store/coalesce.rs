@@ -703,7 +703,10 @@ mod tests {
             },
         );
         let (first, second) = (queue.enqueue(1).unwrap(), queue.enqueue(2).unwrap());
-        assert_eq!(second.await.unwrap().unwrap(), 20);
+        let early = tokio::time::timeout(Duration::from_secs(10), second)
+            .await
+            .expect("replied to before its batch is done");
+        assert_eq!(early.unwrap().unwrap(), 20);
         finish.send(()).unwrap();
         assert_eq!(first.await.unwrap().unwrap(), 100);
     }

@@ -4,13 +4,13 @@
 //! settles. The claims, with the take-back of keys a claim found failed or
 //! expired, are in `batch/claim.rs`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use tokio_postgres::Row;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 
 mod claim;
 
@@ -239,7 +239,7 @@ impl BatchRunner {
     /// one statement updates a row once, with whichever of its input rows
     /// PostgreSQL picks, and a `done` must win over its own attempt's
     /// release whichever comes first. A key settled before the rest of its
-    /// round (see `settle_round`) has its reply at once.
+    /// round (see `settle_several`) has its reply at once.
     ///
     /// A round goes out in key order (byte order, as claims lock theirs):
     /// the statement locks rows in the order of its input, so two batches
@@ -252,12 +252,34 @@ impl BatchRunner {
         requests: Vec<SettleRequest>,
         replies: Replies<bool>,
     ) -> Vec<Result<bool, StoreError>> {
+        fn key(r: &SettleRequest) -> (&str, &str) {
+            (r.source.as_str(), r.key.as_str())
+        }
+        let rounds = rounds(&requests, |r| (&r.source, &r.key));
+        // A key queued twice is in the first rounds, once each.
+        let queued: HashMap<(&str, &str), usize> = if rounds.len() > 1 {
+            requests.iter().fold(HashMap::new(), |mut counts, r| {
+                *counts.entry(key(r)).or_default() += 1;
+                counts
+            })
+        } else {
+            HashMap::new()
+        };
         let mut outcomes = vec![Ok(false); requests.len()];
-        for mut round in rounds(&requests, |r| (&r.source, &r.key)) {
-            round.sort_unstable_by_key(|&i| (&requests[i].source, &requests[i].key));
+        for (number, mut round) in rounds.into_iter().enumerate() {
+            round.sort_unstable_by_key(|&i| key(&requests[i]));
             let sorted: Vec<&SettleRequest> = round.iter().map(|&i| &requests[i]).collect();
+            // Not early, where a later round settles the key again: its
+            // release alone would leave the key `failed`, to be taken back
+            // and forwarded again, until the `done` after it can land.
+            let alone_in_batch: Vec<bool> = sorted
+                .iter()
+                .map(|r| queued.get(&key(r)).is_none_or(|&count| count <= number + 1))
+                .collect();
             let settled_early = |position: usize| replies.send(round[position], Ok(true));
-            let round_outcomes = self.settle_isolated(&sorted, settled_early).await;
+            let round_outcomes = self
+                .settle_isolated(&sorted, &alone_in_batch, settled_early)
+                .await;
             for (&index, outcome) in round.iter().zip(round_outcomes) {
                 outcomes[index] = outcome;
             }
@@ -266,119 +288,234 @@ impl BatchRunner {
     }
 
     /// One settle statement for the round; if the database refuses it, each
-    /// key it did not settle early is retried alone, so that a row it cannot
+    /// key not settled beside it is retried alone, so that a row it cannot
     /// settle fails only its own request.
     async fn settle_isolated(
         &self,
         requests: &[&SettleRequest],
+        may_go_early: &[bool],
         settled_early: impl Fn(usize),
     ) -> Vec<Result<bool, StoreError>> {
-        let mut early = vec![false; requests.len()];
-        let outcome = self
-            .settle_round(requests, |position| {
-                early[position] = true;
-                settled_early(position);
-            })
-            .await;
+        let (outcome, beside) = match requests {
+            [one] => (
+                self.settle_one(one).await.map(|settled| vec![settled]),
+                None,
+            ),
+            _ => {
+                self.settle_several(requests, may_go_early, settled_early)
+                    .await
+            }
+        };
+        let beside = beside.unwrap_or_else(|| Beside::nothing(requests.len()));
         match outcome {
             Ok(settled) => settled
                 .into_iter()
-                .zip(&early)
-                .map(|(settled, &early)| Ok(settled || early))
+                .enumerate()
+                .map(|(position, settled)| beside.or(position, settled))
                 .collect(),
             Err(StoreError::Refused(_)) if requests.len() > 1 => {
                 let mut outcomes = Vec::with_capacity(requests.len());
-                for (request, &early) in requests.iter().zip(&early) {
-                    outcomes.push(if early {
+                for (position, request) in requests.iter().enumerate() {
+                    outcomes.push(if beside.settled[position] {
                         Ok(true)
                     } else {
-                        let alone = self.settle_round(&[*request], |_| {}).await;
-                        alone.map(|settled| settled[0])
+                        match self.settle_one(request).await {
+                            Ok(settled) => beside.or(position, settled),
+                            Err(error) => Err(error),
+                        }
                     });
                 }
                 outcomes
             }
-            Err(error) => early
-                .iter()
-                .map(|&early| if early { Ok(true) } else { Err(error.clone()) })
+            Err(error) => (0..requests.len())
+                .map(|position| {
+                    if beside.settled[position] {
+                        Ok(true)
+                    } else {
+                        Err(error.clone())
+                    }
+                })
                 .collect(),
         }
     }
 
-    /// Settles the round's keys in one statement: whether each was settled.
+    /// Settles one key: whether it was settled.
+    async fn settle_one(&self, one: &SettleRequest) -> Result<bool, StoreError> {
+        let params: &Params<'_> = &[
+            (&one.source, Type::TEXT),
+            (&one.key, Type::TEXT),
+            (&one.fence.attempt, Type::INT4),
+            (&one.fence.claimed_at, Type::TIMESTAMPTZ),
+            (&one.settlement.status.as_str(), Type::TEXT),
+            (&response_status(one), Type::INT2),
+        ];
+        Ok(!self.query(&self.sql.settle_one, params).await?.is_empty())
+    }
+
+    /// Settles the round's keys in one statement: whether each was settled,
+    /// and what was settled beside it, if anything was tried.
     ///
-    /// A statement of several keys that waits `stuck_after` is waiting on a
-    /// row another transaction holds (an operator's open transaction, a long
-    /// `UPDATE`), and every key after that row in its order waits with it,
-    /// unsettled for as long as the row is held: past their leases another
-    /// replica would take them back and forward them again. So the keys no
-    /// one holds are then settled beside it (`settle_unlocked`), and each is
-    /// passed to `settled_early` as it is; the waiting statement finds them
-    /// settled when it gets to them, and leaves them be.
-    async fn settle_round(
+    /// A statement of several keys still at the database `stuck_after` it
+    /// began is most likely waiting on a row another transaction holds (an
+    /// operator's open transaction, a long `UPDATE`), and every key after
+    /// that row in its order waits with it, unsettled for as long as the
+    /// row is held: past their leases another replica would take them back
+    /// and forward them again. So the keys in `may_go_early` that no one
+    /// holds are then settled beside it (`settle_unlocked`), on a connection
+    /// of their own if one is free, and passed to `settled_early`; the
+    /// waiting statement finds them settled when it gets to them. Were it
+    /// only slow (a slow commit), this settles what it has not yet locked,
+    /// which is as correct and costs one more statement.
+    async fn settle_several(
         &self,
         requests: &[&SettleRequest],
-        mut settled_early: impl FnMut(usize),
-    ) -> Result<Vec<bool>, StoreError> {
-        let rows = match requests {
-            [one] => {
-                let params: &Params<'_> = &[
-                    (&one.source, Type::TEXT),
-                    (&one.key, Type::TEXT),
-                    (&one.fence.attempt, Type::INT4),
-                    (&one.fence.claimed_at, Type::TIMESTAMPTZ),
-                    (&one.settlement.status.as_str(), Type::TEXT),
-                    (&response_status(one), Type::INT2),
-                ];
-                self.query(&self.sql.settle_one, params).await?
+        may_go_early: &[bool],
+        settled_early: impl Fn(usize),
+    ) -> (Result<Vec<bool>, StoreError>, Option<Beside>) {
+        let arrays = SettleArrays::of(requests.iter().copied());
+        let pooled;
+        let connection = match &self.connection {
+            Some(connection) => connection.as_ref(),
+            None => match self.session.client().await {
+                Ok(connection) => {
+                    pooled = connection;
+                    &pooled
+                }
+                Err(error) => return (Err(error), None),
+            },
+        };
+        let params = arrays.params();
+        let mut statement =
+            std::pin::pin!(self.session.query_on(connection, &self.sql.settle, &params));
+        let (rows, beside) = match tokio::time::timeout(self.stuck_after, &mut statement).await {
+            Ok(rows) => (rows, None),
+            Err(_stuck) => {
+                let early = self.settle_unlocked(requests, may_go_early, &settled_early);
+                let (rows, beside) = tokio::join!(statement, early);
+                (rows, Some(beside))
             }
-            _ => {
-                let sources: Vec<&str> = requests.iter().map(|r| r.source.as_str()).collect();
-                let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
-                let attempts: Vec<i32> = requests.iter().map(|r| r.fence.attempt).collect();
-                let claimed_at: Vec<SystemTime> =
-                    requests.iter().map(|r| r.fence.claimed_at).collect();
-                let statuses: Vec<&str> = requests
-                    .iter()
-                    .map(|r| r.settlement.status.as_str())
-                    .collect();
-                let response_statuses: Vec<Option<i16>> =
-                    requests.iter().map(|r| response_status(r)).collect();
-                let params: &Params<'_> = &[
-                    (&sources, Type::TEXT_ARRAY),
-                    (&keys, Type::TEXT_ARRAY),
-                    (&attempts, Type::INT4_ARRAY),
-                    (&claimed_at, Type::TIMESTAMPTZ_ARRAY),
-                    (&statuses, Type::TEXT_ARRAY),
-                    (&response_statuses, Type::INT2_ARRAY),
-                ];
-                let mut statement = std::pin::pin!(self.query(&self.sql.settle, params));
-                match tokio::time::timeout(self.stuck_after, &mut statement).await {
-                    Ok(rows) => rows?,
-                    Err(_stuck) => {
-                        // On a connection of its own: this one is waiting.
-                        match self.session.query(&self.sql.settle_unlocked, params).await {
-                            Ok(rows) => {
-                                for position in ordinals(&rows, requests.len()) {
-                                    settled_early(position);
-                                }
-                            }
-                            // The waiting statement still settles them, in time.
-                            Err(error) => tracing::debug!(
-                                %error,
-                                "cannot settle the keys of a waiting settle statement beside it"
-                            ),
-                        }
-                        statement.await?
+        };
+        let settled = rows.map(|rows| {
+            let mut settled = vec![false; requests.len()];
+            for position in ordinals(&rows, requests.len()) {
+                settled[position] = true;
+            }
+            settled
+        });
+        (settled, beside)
+    }
+
+    /// Settles, beside a waiting settle statement, those of its keys in
+    /// `may_go_early` that no transaction holds, if a connection is free
+    /// for it at once: the waiting statement holds one, and waiting for
+    /// another could hold up every statement behind.
+    async fn settle_unlocked(
+        &self,
+        requests: &[&SettleRequest],
+        may_go_early: &[bool],
+        settled_early: &impl Fn(usize),
+    ) -> Beside {
+        let mut beside = Beside::nothing(requests.len());
+        let positions: Vec<usize> = (0..requests.len()).filter(|&p| may_go_early[p]).collect();
+        if positions.is_empty() {
+            return beside;
+        }
+        let Some(connection) = self.session.spare_client().await else {
+            tracing::debug!(
+                "no connection free to settle the keys of a waiting settle statement beside it"
+            );
+            return beside;
+        };
+        let arrays = SettleArrays::of(positions.iter().map(|&p| requests[p]));
+        let params = arrays.params();
+        match self
+            .session
+            .query_on(&connection, &self.sql.settle_unlocked, &params)
+            .await
+        {
+            Ok(rows) => {
+                for position in ordinals(&rows, positions.len()).map(|i| positions[i]) {
+                    beside.settled[position] = true;
+                    settled_early(position);
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot settle the keys of a waiting settle statement beside it; they wait with it");
+                if error.outcome_unknown() {
+                    for &position in &positions {
+                        beside.unknown[position] = Some(error.clone());
                     }
                 }
             }
-        };
-        let mut settled = vec![false; requests.len()];
-        for position in ordinals(&rows, requests.len()) {
-            settled[position] = true;
         }
-        Ok(settled)
+        beside
+    }
+}
+
+/// What was settled beside a waiting settle statement.
+struct Beside {
+    settled: Vec<bool>,
+    /// Keys whose settle beside it may or may not have been committed: the
+    /// connection was lost before its answer.
+    unknown: Vec<Option<StoreError>>,
+}
+
+impl Beside {
+    fn nothing(round: usize) -> Self {
+        Self {
+            settled: vec![false; round],
+            unknown: vec![None; round],
+        }
+    }
+
+    /// A key's outcome, given whether the waiting statement settled it: a
+    /// key the statement found already settled was settled beside it, if
+    /// that settle's outcome is unknown.
+    fn or(&self, position: usize, settled_by_statement: bool) -> Result<bool, StoreError> {
+        if settled_by_statement || self.settled[position] {
+            return Ok(true);
+        }
+        match &self.unknown[position] {
+            Some(error) => Err(error.clone()),
+            None => Ok(false),
+        }
+    }
+}
+
+/// A settle statement's parameters, one array per column.
+struct SettleArrays<'a> {
+    sources: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    attempts: Vec<i32>,
+    claimed_at: Vec<SystemTime>,
+    statuses: Vec<&'a str>,
+    response_statuses: Vec<Option<i16>>,
+}
+
+impl<'a> SettleArrays<'a> {
+    fn of(requests: impl Iterator<Item = &'a SettleRequest> + Clone) -> Self {
+        Self {
+            sources: requests.clone().map(|r| r.source.as_str()).collect(),
+            keys: requests.clone().map(|r| r.key.as_str()).collect(),
+            attempts: requests.clone().map(|r| r.fence.attempt).collect(),
+            claimed_at: requests.clone().map(|r| r.fence.claimed_at).collect(),
+            statuses: requests
+                .clone()
+                .map(|r| r.settlement.status.as_str())
+                .collect(),
+            response_statuses: requests.map(response_status).collect(),
+        }
+    }
+
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
+        [
+            (&self.sources, Type::TEXT_ARRAY),
+            (&self.keys, Type::TEXT_ARRAY),
+            (&self.attempts, Type::INT4_ARRAY),
+            (&self.claimed_at, Type::TIMESTAMPTZ_ARRAY),
+            (&self.statuses, Type::TEXT_ARRAY),
+            (&self.response_statuses, Type::INT2_ARRAY),
+        ]
     }
 }
 
@@ -445,37 +582,50 @@ mod tests {
 
     /// The settle statement locks its rows in key order, so one waiting on
     /// `b` has updated `a` (and holds it until it commits) and not reached
-    /// `c`. `c` is settled beside it, and its reply goes at once.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn keys_a_settle_waiting_on_a_held_row_has_not_reached_are_settled_beside_it() {
-        let url = std::env::var("DATABASE_URL")
+    /// `c` or `d`. `d` is settled beside it, and its reply goes at once; `c`
+    /// is not, since a later round settles it again: its release alone would
+    /// leave it `failed` until the `done` after it lands.
+    async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it(isolation: &str) {
+        let base = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-        let table = format!("settled_beside_{}", std::process::id());
+        let separator = if base.contains('?') { '&' } else { '?' };
+        // A space in a server option is escaped with a backslash.
+        let option = isolation.replace(' ', "%5C%20");
+        let url = format!("{base}{separator}options=-c%20default_transaction_isolation%3D{option}");
+        let table = format!(
+            "settled_beside_{}_{}",
+            std::process::id(),
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
         let config = StoreConfig {
             table: table.clone(),
             ..StoreConfig::default()
         };
-        let client = connect(&url).await;
-        // Left behind by a run that failed before its end.
-        client
-            .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
-            .await
-            .unwrap();
         let store = PostgresStore::new(&url, &config).unwrap();
         store.migrate().await.unwrap();
+        let client = connect(&url).await;
+        let isolation_in_use: String = client
+            .query_one("SHOW default_transaction_isolation", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(isolation_in_use, isolation);
         let claimed = client
             .query(
                 &format!(
                     "INSERT INTO {table} (source, event_id, status, claimed_at, lease_expires_at)
                      SELECT 'orders', k, 'processing', now(), now() + interval '5 minutes'
-                       FROM unnest(ARRAY['a', 'b', 'c']) k
+                       FROM unnest(ARRAY['a', 'b', 'c', 'd']) k
                      RETURNING event_id, claimed_at"
                 ),
                 &[],
             )
             .await
             .unwrap();
-        let request = |key: &str| SettleRequest {
+        let request = |key: &str, settlement: Settlement| SettleRequest {
             source: "orders".into(),
             key: key.into(),
             fence: Fence {
@@ -486,10 +636,11 @@ mod tests {
                     .unwrap()
                     .get(1),
             },
-            settlement: Settlement {
-                status: SettledStatus::Done,
-                response_status: Some(200),
-            },
+            settlement,
+        };
+        let done = Settlement {
+            status: SettledStatus::Done,
+            response_status: Some(200),
         };
         let holder = connect(&url).await;
         holder
@@ -502,18 +653,26 @@ mod tests {
             session: Arc::clone(&store.session),
             sql: Arc::clone(&store.sql),
             connection: None,
-            stuck_after: Duration::from_millis(50),
+            // Long enough for the statement to have locked `a` by then.
+            stuck_after: Duration::from_secs(1),
         };
         // In queue order, not key order: replies go by queue position.
-        let (replies, mut receivers) = Replies::for_test(3);
-        let batch = tokio::spawn(
-            runner.settle_batch(vec![request("c"), request("b"), request("a")], replies),
-        );
-        let c = tokio::time::timeout(Duration::from_secs(10), receivers.remove(0))
+        let (replies, mut receivers) = Replies::for_test(5);
+        let batch = tokio::spawn(runner.settle_batch(
+            vec![
+                request("d", done),
+                request("c", Settlement::RELEASED),
+                request("b", done),
+                request("a", done),
+                request("c", done),
+            ],
+            replies,
+        ));
+        let d = tokio::time::timeout(Duration::from_secs(10), receivers.remove(0))
             .await
-            .expect("c's reply comes while b is held")
+            .expect("d's reply comes while b is held")
             .unwrap();
-        assert!(matches!(c, Ok(true)), "{c:?}");
+        assert!(matches!(d, Ok(true)), "{d:?}");
         let status = |key: &'static str| {
             let (client, table) = (&client, &table);
             async move {
@@ -528,7 +687,7 @@ mod tests {
             }
         };
         assert_eq!(
-            status("c").await,
+            status("d").await,
             "done",
             "committed beside the waiting statement"
         );
@@ -537,6 +696,7 @@ mod tests {
             "processing",
             "held by the waiting statement"
         );
+        assert_eq!(status("c").await, "processing", "left to its two rounds");
         assert!(!batch.is_finished(), "the statement still waits on b");
 
         holder.batch_execute("COMMIT").await.unwrap();
@@ -548,16 +708,28 @@ mod tests {
         for mut receiver in receivers {
             assert!(
                 receiver.try_recv().is_err(),
-                "a and b are answered with the batch, by its queue"
+                "only d had its reply early; the queue sends the others the batch's outcomes"
             );
         }
-        for key in ["a", "b", "c"] {
+        for key in ["a", "b", "c", "d"] {
             assert_eq!(status(key).await, "done", "{key}");
         }
         client
             .batch_execute(&format!("DROP TABLE {table}"))
             .await
             .unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it_under_read_committed() {
+        keys_a_waiting_settle_has_not_reached_are_settled_beside_it("read committed").await;
+    }
+
+    /// There the waiting statement, on reaching a row settled beside it, is
+    /// rolled back for the conflict and run again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it_under_serializable() {
+        keys_a_waiting_settle_has_not_reached_are_settled_beside_it("serializable").await;
     }
 
     #[test]

@@ -6,7 +6,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use deadpool_postgres::{Pool, PoolError, TimeoutType};
+use std::time::Duration;
+
+use deadpool_postgres::{Pool, PoolError, TimeoutType, Timeouts};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
@@ -62,6 +64,16 @@ impl Session {
                 other => format!("{server}: {}", error_chain(&other)),
             })
         })
+    }
+
+    /// A connection from the pool if one is free now (or may be opened),
+    /// without waiting for one to be given back.
+    pub(super) async fn spare_client(&self) -> Option<deadpool_postgres::Object> {
+        let now = Timeouts {
+            wait: Some(Duration::ZERO),
+            ..self.pool.timeouts()
+        };
+        self.pool.timeout_get(&now).await.ok()
     }
 
     /// The connection claim batches are pipelined on: the one the batches

@@ -6,13 +6,13 @@ use crate::store::sql_identifier;
 /// The statements the request path and `migrate` run.
 ///
 /// The request path's seven (claim, settle, their one-key forms, retake,
-/// recheck and the settle of unlocked keys) carry a guard: their last parameter must be this process's
-/// `instance`, written into their text, or the statement fails with
-/// division by zero before it changes anything. A transaction-pooling
-/// PgBouncer that does not track prepared statements can hand a named
-/// statement to a server connection where another process prepared a
-/// different statement under the same name (every process names its
-/// statements `s0`, `s1`, …). Without the guard that statement would run
+/// recheck and the settle of unlocked keys) carry a guard: their last
+/// parameter must be this process's `instance`, written into their text, or
+/// the statement fails with division by zero before it changes anything.
+/// A transaction-pooling PgBouncer that does not track prepared statements
+/// can hand a named statement to a server connection where another process
+/// prepared a different statement under the same name (every process names
+/// its statements `s0`, `s1`, …). Without the guard that statement would run
 /// with this one's parameters wherever their types fit: a claim made in
 /// another table, or a settle taken for a claim. With it, such a run fails,
 /// and the store switches to unnamed statements and runs it again (see
@@ -244,17 +244,21 @@ impl Statements {
             ),
             // Sent beside a settle statement that has waited long enough to
             // be waiting on a row another transaction holds, with the same
-            // parameters. The waiting statement has updated the rows before
+            // parameters (less any key a later round of its batch settles
+            // again). The waiting statement has updated the rows before
             // that one in its order, and holds them until it can commit; the
             // rows after it are still as they were, and their leases run on.
             // This one settles those, each fenced as the settle fences it,
             // and skips every row another transaction holds: the waiting
-            // statement's, and the one it waits on. It waits on no lock, so
-            // it cannot deadlock with the waiting statement; that one, when
-            // it goes on, finds the rows settled here no longer settleable
-            // and leaves them be. Run only for a settle that has waited, so
-            // the locking, which writes a lock record for every row it then
-            // updates, costs the normal course nothing.
+            // statement's, and the one it waits on. It waits on no row lock,
+            // so it cannot deadlock with the waiting statement. That one,
+            // when it goes on, finds the rows settled here no longer
+            // settleable and leaves them be (under `read committed`; under
+            // `repeatable read` or `serializable` it is rolled back for the
+            // conflict and run again, and then does the same). Run only for
+            // a settle that has waited, so the locking, which writes a lock
+            // record for every row it then updates, costs the normal course
+            // nothing.
             settle_unlocked: format!(
                 "WITH u AS (
                    SELECT * FROM {settle_arrays}
@@ -527,11 +531,17 @@ mod tests {
         // parameters under which it changes nothing (to run it until its
         // generic plan is in use).
         type Params = Vec<Box<dyn ToSql + Sync>>;
-        let cases: [(&str, &str, Params, Params); 6] = [
+        let cases: [(&str, &str, Params, Params); 7] = [
             ("claim", &theirs.claim, batch("new"), batch("done")),
             ("claim_one", &theirs.claim_one, one("new"), one("done")),
             ("retake", &theirs.retake, batch("failed"), batch("done")),
             ("settle", &theirs.settle, settle(1), settle(9)),
+            (
+                "settle_unlocked",
+                &theirs.settle_unlocked,
+                settle(1),
+                settle(9),
+            ),
             (
                 "settle_one",
                 &theirs.settle_one,
