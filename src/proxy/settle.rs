@@ -51,7 +51,17 @@ impl Proxy {
                 Ok(())
             }
             Err((error, unsettled)) => {
-                tracing::warn!(route = &*claim.source, key = claim.key.as_str(), attempt, %error, "settle failed; retrying in the background");
+                match unsettled {
+                    Unsettled::Failed => tracing::warn!(
+                        route = &*claim.source, key = claim.key.as_str(), attempt, %error,
+                        "settle failed; retrying in the background"
+                    ),
+                    // Nothing failed, and nothing is sent again.
+                    Unsettled::Pending(_) => tracing::warn!(
+                        route = &*claim.source, key = claim.key.as_str(), attempt, %error,
+                        "settle still at the database (waiting on a row another transaction holds, say); answered, and its outcome awaited in the background"
+                    ),
+                }
                 Err(unsettled)
             }
         }

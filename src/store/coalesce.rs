@@ -142,20 +142,11 @@ where
     /// connection) while the oldest has been running for `limits.stalled_after`
     /// or longer. While the last batch to come back was read-only, up to
     /// `limits.behind` more go out behind the one running alone. `run` gets
-    /// the batch's requests and its lane and returns one result per request,
+    /// the batch's requests, its lane and its [`Replies`] (to answer some of
+    /// its requests before it returns), and returns one result per request,
     /// in order; a batch that fails as a whole fails its own requests and no
     /// other.
     pub fn start<Run, Fut>(limits: Limits, run: Run) -> Self
-    where
-        Run: Fn(Vec<Request>, Lane) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Vec<Result<Response, StoreError>>> + Send + 'static,
-    {
-        Self::start_with_replies(limits, move |batch, lane, _replies| run(batch, lane))
-    }
-
-    /// As [`Coalescer::start`], with `run` also given the batch's
-    /// [`Replies`], to answer some of its requests before it returns.
-    pub fn start_with_replies<Run, Fut>(limits: Limits, run: Run) -> Self
     where
         Run: Fn(Vec<Request>, Lane, Replies<Response>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<Result<Response, StoreError>>> + Send + 'static,
@@ -394,7 +385,7 @@ mod tests {
             let (started_tx, started) = mpsc::unbounded_channel();
             let queue = Coalescer::start(
                 limits,
-                move |batch: Vec<(u32, oneshot::Receiver<bool>)>, lane| {
+                move |batch: Vec<(u32, oneshot::Receiver<bool>)>, lane, _replies| {
                     started_tx.send((batch[0].0, lane)).unwrap();
                     async move {
                         let mut results = Vec::new();
@@ -657,13 +648,14 @@ mod tests {
     async fn results_go_back_in_order_and_batches_grow_under_load() {
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&sizes);
-        let doubler = Coalescer::start(one_at_a_time(8), move |batch: Vec<u32>, _lane| {
-            seen.lock().unwrap().push(batch.len());
-            async move {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                batch.into_iter().map(|n| Ok(n * 2)).collect()
-            }
-        });
+        let doubler =
+            Coalescer::start(one_at_a_time(8), move |batch: Vec<u32>, _lane, _replies| {
+                seen.lock().unwrap().push(batch.len());
+                async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    batch.into_iter().map(|n| Ok(n * 2)).collect()
+                }
+            });
         let calls: Vec<_> = (0..20)
             .map(|n| {
                 let doubler = doubler.clone();
@@ -687,7 +679,7 @@ mod tests {
     async fn a_request_answered_early_has_its_reply_before_its_batch_is_done() {
         let (finish, finished) = oneshot::channel::<()>();
         let finished = Arc::new(Mutex::new(Some(finished)));
-        let queue = Coalescer::start_with_replies(
+        let queue = Coalescer::start(
             one_at_a_time(4),
             move |batch: Vec<u32>, _lane, replies: Replies<u32>| {
                 let finished = finished.lock().unwrap().take();
@@ -713,15 +705,18 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_request_fails_alone() {
-        let flaky = Coalescer::start(one_at_a_time(4), |batch: Vec<u32>, _lane| async move {
-            batch
-                .into_iter()
-                .map(|n| match n {
-                    13 => Err(StoreError::Postgres("unlucky".into())),
-                    n => Ok(n),
-                })
-                .collect()
-        });
+        let flaky = Coalescer::start(
+            one_at_a_time(4),
+            |batch: Vec<u32>, _lane, _replies| async move {
+                batch
+                    .into_iter()
+                    .map(|n| match n {
+                        13 => Err(StoreError::Postgres("unlucky".into())),
+                        n => Ok(n),
+                    })
+                    .collect()
+            },
+        );
         let (unlucky, lucky) = tokio::join!(flaky.call(13), flaky.call(7));
         assert!(unlucky.is_err());
         assert_eq!(lucky.unwrap(), 7);
@@ -729,9 +724,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_wrong_number_of_results_is_an_error_not_a_mismatch() {
-        let broken = Coalescer::start(one_at_a_time(4), |_batch: Vec<u32>, _lane| async move {
-            Vec::<Result<u32, _>>::new()
-        });
+        let broken = Coalescer::start(
+            one_at_a_time(4),
+            |_batch: Vec<u32>, _lane, _replies| async move { Vec::<Result<u32, _>>::new() },
+        );
         assert!(broken.call(1).await.is_err());
     }
 }

@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
+use tokio_util::sync::CancellationToken;
 
 mod claim;
 
@@ -111,10 +112,10 @@ impl Batches {
         };
         let settle_runner = runner.clone();
         Self {
-            claims: Coalescer::start(claim_limits, move |batch, lane| {
-                runner.clone().claim_batch(batch, lane)
+            claims: Coalescer::start(claim_limits, move |batch, lane, replies| {
+                runner.clone().claim_batch(batch, lane, replies)
             }),
-            settles: Coalescer::start_with_replies(settle_limits, move |batch, _lane, replies| {
+            settles: Coalescer::start(settle_limits, move |batch, _lane, replies| {
                 settle_runner.clone().settle_batch(batch, replies)
             }),
         }
@@ -219,13 +220,19 @@ impl BatchRunner {
     /// One claim statement for the round; if the database refuses it (rather
     /// than being unreachable), each key is retried alone, so that a row it
     /// cannot take fails only its own request.
-    async fn isolated<R: Round>(&self, requests: &[&R]) -> Vec<Result<R::Outcome, StoreError>> {
-        match R::run(self, requests).await {
+    /// `decided_early` is given a key's outcome as soon as it is final, if
+    /// that is before the round is done.
+    async fn isolated<R: Round>(
+        &self,
+        requests: &[&R],
+        decided_early: &(dyn Fn(usize, &R::Outcome) + Sync),
+    ) -> Vec<Result<R::Outcome, StoreError>> {
+        match R::run(self, requests, decided_early).await {
             Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
             Err(StoreError::Refused(_)) if requests.len() > 1 => {
                 let mut outcomes = Vec::with_capacity(requests.len());
                 for request in requests {
-                    let outcome = R::run(self, &[*request]).await;
+                    let outcome = R::run(self, &[*request], &|_, _| {}).await;
                     outcomes.push(outcome.map(|mut one| one.remove(0)));
                 }
                 outcomes
@@ -390,8 +397,14 @@ impl BatchRunner {
         let (rows, beside) = match tokio::time::timeout(self.stuck_after, &mut statement).await {
             Ok(rows) => (rows, None),
             Err(_stuck) => {
-                let early = self.settle_unlocked(requests, may_go_early, &settled_early);
-                let (rows, beside) = tokio::join!(statement, early);
+                let done = CancellationToken::new();
+                let waited = async {
+                    let rows = statement.await;
+                    done.cancel();
+                    rows
+                };
+                let beside = self.settle_beside(requests, may_go_early, &settled_early, &done);
+                let (rows, beside) = tokio::join!(waited, beside);
                 (rows, Some(beside))
             }
         };
@@ -406,25 +419,52 @@ impl BatchRunner {
     }
 
     /// Settles, beside a waiting settle statement, those of its keys in
-    /// `may_go_early` that no transaction holds, if a connection is free
-    /// for it at once: the waiting statement holds one, and waiting for
-    /// another could hold up every statement behind.
-    async fn settle_unlocked(
+    /// `may_go_early` that no transaction holds, and again every
+    /// `stuck_after` until `done` (the waiting statement is back) or none
+    /// is left: a row another transaction held at one try (the same one, or
+    /// a second held row) may be free at the next, and its key's lease runs
+    /// on meanwhile. A try that has begun is always finished, since it may
+    /// have committed.
+    async fn settle_beside(
         &self,
         requests: &[&SettleRequest],
         may_go_early: &[bool],
         settled_early: &impl Fn(usize),
+        done: &CancellationToken,
     ) -> Beside {
         let mut beside = Beside::nothing(requests.len());
-        let positions: Vec<usize> = (0..requests.len()).filter(|&p| may_go_early[p]).collect();
-        if positions.is_empty() {
-            return beside;
+        loop {
+            let left: Vec<usize> = (0..requests.len())
+                .filter(|&p| may_go_early[p] && !beside.settled[p] && beside.unknown[p].is_none())
+                .collect();
+            if left.is_empty() || done.is_cancelled() {
+                return beside;
+            }
+            self.settle_unlocked(requests, &left, settled_early, &mut beside)
+                .await;
+            tokio::select! {
+                () = done.cancelled() => return beside,
+                () = tokio::time::sleep(self.stuck_after) => {}
+            }
         }
+    }
+
+    /// One try of [`BatchRunner::settle_beside`] for the keys at
+    /// `positions`, if a connection is free for it at once: the waiting
+    /// statement holds one, and waiting for another could hold up every
+    /// statement behind.
+    async fn settle_unlocked(
+        &self,
+        requests: &[&SettleRequest],
+        positions: &[usize],
+        settled_early: &impl Fn(usize),
+        beside: &mut Beside,
+    ) {
         let Some(connection) = self.session.spare_client().await else {
             tracing::debug!(
                 "no connection free to settle the keys of a waiting settle statement beside it"
             );
-            return beside;
+            return;
         };
         let arrays = SettleArrays::of(positions.iter().map(|&p| requests[p]));
         let params = arrays.params();
@@ -442,13 +482,12 @@ impl BatchRunner {
             Err(error) => {
                 tracing::warn!(%error, "cannot settle the keys of a waiting settle statement beside it; they wait with it");
                 if error.outcome_unknown() {
-                    for &position in &positions {
+                    for &position in positions {
                         beside.unknown[position] = Some(error.clone());
                     }
                 }
             }
         }
-        beside
     }
 }
 
@@ -533,9 +572,11 @@ trait Round: Sized {
     /// Each key's result.
     type Outcome: Clone;
 
+    /// `decided_early` as for [`BatchRunner::isolated`].
     async fn run(
         runner: &BatchRunner,
         requests: &[&Self],
+        decided_early: &(dyn Fn(usize, &Self::Outcome) + Sync),
     ) -> Result<Vec<Self::Outcome>, StoreError>;
 }
 
@@ -569,8 +610,9 @@ fn response_status(request: &SettleRequest) -> Option<i16> {
 mod tests {
     use super::*;
     use crate::config::StoreConfig;
+    use crate::store::coalesce::Lane;
     use crate::store::postgres::PostgresStore;
-    use crate::store::{Backend, SettledStatus};
+    use crate::store::{Backend, SettledStatus, WonFrom};
 
     async fn connect(url: &str) -> tokio_postgres::Client {
         let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
@@ -580,46 +622,111 @@ mod tests {
         client
     }
 
+    /// A store on a table of its own, on connections whose transactions
+    /// default to `isolation`, and a client beside it.
+    struct Scratch {
+        store: PostgresStore,
+        client: tokio_postgres::Client,
+        table: String,
+        url: String,
+    }
+
+    impl Scratch {
+        async fn new(isolation: &str) -> Self {
+            let base = std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+            let separator = if base.contains('?') { '&' } else { '?' };
+            // A space in a server option is escaped with a backslash.
+            let option = isolation.replace(' ', "%5C%20");
+            let url =
+                format!("{base}{separator}options=-c%20default_transaction_isolation%3D{option}");
+            let table = format!(
+                "scratch_claims_{}_{}",
+                std::process::id(),
+                SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos()
+            );
+            let config = StoreConfig {
+                table: table.clone(),
+                ..StoreConfig::default()
+            };
+            let store = PostgresStore::new(&url, &config).unwrap();
+            store.migrate().await.unwrap();
+            let client = connect(&url).await;
+            let isolation_in_use: String = client
+                .query_one("SHOW default_transaction_isolation", &[])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(isolation_in_use, isolation);
+            Self {
+                store,
+                client,
+                table,
+                url,
+            }
+        }
+
+        fn runner(&self, stuck_after: Duration) -> BatchRunner {
+            BatchRunner {
+                session: Arc::clone(&self.store.session),
+                sql: Arc::clone(&self.store.sql),
+                connection: None,
+                stuck_after,
+            }
+        }
+
+        /// A transaction that holds `key`'s row locked until it ends.
+        async fn hold(&self, key: &str) -> tokio_postgres::Client {
+            let holder = connect(&self.url).await;
+            holder
+                .batch_execute(&format!(
+                    "BEGIN; SELECT 1 FROM {} WHERE event_id = '{key}' FOR UPDATE",
+                    self.table
+                ))
+                .await
+                .unwrap();
+            holder
+        }
+
+        async fn status(&self, key: &str) -> String {
+            self.client
+                .query_one(
+                    &format!("SELECT status FROM {} WHERE event_id = $1", self.table),
+                    &[&key],
+                )
+                .await
+                .unwrap()
+                .get(0)
+        }
+
+        async fn drop_table(&self) {
+            self.client
+                .batch_execute(&format!("DROP TABLE {}", self.table))
+                .await
+                .unwrap();
+        }
+    }
+
     /// The settle statement locks its rows in key order, so one waiting on
     /// `b` has updated `a` (and holds it until it commits) and not reached
-    /// `c` or `d`. `d` is settled beside it, and its reply goes at once; `c`
-    /// is not, since a later round settles it again: its release alone would
-    /// leave it `failed` until the `done` after it lands.
+    /// `c`, `d` or `e`. `d` is settled beside it, and its reply goes at
+    /// once; `e`, held by another transaction at first, once that lets it
+    /// go; `c` is not, since a later round settles it again: its release
+    /// alone would leave it `failed` until the `done` after it lands.
     async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it(isolation: &str) {
-        let base = std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-        let separator = if base.contains('?') { '&' } else { '?' };
-        // A space in a server option is escaped with a backslash.
-        let option = isolation.replace(' ', "%5C%20");
-        let url = format!("{base}{separator}options=-c%20default_transaction_isolation%3D{option}");
-        let table = format!(
-            "settled_beside_{}_{}",
-            std::process::id(),
-            SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        );
-        let config = StoreConfig {
-            table: table.clone(),
-            ..StoreConfig::default()
-        };
-        let store = PostgresStore::new(&url, &config).unwrap();
-        store.migrate().await.unwrap();
-        let client = connect(&url).await;
-        let isolation_in_use: String = client
-            .query_one("SHOW default_transaction_isolation", &[])
-            .await
-            .unwrap()
-            .get(0);
-        assert_eq!(isolation_in_use, isolation);
-        let claimed = client
+        let scratch = Scratch::new(isolation).await;
+        let claimed = scratch
+            .client
             .query(
                 &format!(
-                    "INSERT INTO {table} (source, event_id, status, claimed_at, lease_expires_at)
+                    "INSERT INTO {} (source, event_id, status, claimed_at, lease_expires_at)
                      SELECT 'orders', k, 'processing', now(), now() + interval '5 minutes'
-                       FROM unnest(ARRAY['a', 'b', 'c', 'd']) k
-                     RETURNING event_id, claimed_at"
+                       FROM unnest(ARRAY['a', 'b', 'c', 'd', 'e']) k
+                     RETURNING event_id, claimed_at",
+                    scratch.table
                 ),
                 &[],
             )
@@ -642,22 +749,11 @@ mod tests {
             status: SettledStatus::Done,
             response_status: Some(200),
         };
-        let holder = connect(&url).await;
-        holder
-            .batch_execute(&format!(
-                "BEGIN; SELECT 1 FROM {table} WHERE event_id = 'b' FOR UPDATE"
-            ))
-            .await
-            .unwrap();
-        let runner = BatchRunner {
-            session: Arc::clone(&store.session),
-            sql: Arc::clone(&store.sql),
-            connection: None,
-            // Long enough for the statement to have locked `a` by then.
-            stuck_after: Duration::from_secs(1),
-        };
+        let (holder, holder_of_e) = (scratch.hold("b").await, scratch.hold("e").await);
+        // Long enough for the statement to have locked `a` by then.
+        let runner = scratch.runner(Duration::from_secs(1));
         // In queue order, not key order: replies go by queue position.
-        let (replies, mut receivers) = Replies::for_test(5);
+        let (replies, mut receivers) = Replies::for_test(6);
         let batch = tokio::spawn(runner.settle_batch(
             vec![
                 request("d", done),
@@ -665,38 +761,45 @@ mod tests {
                 request("b", done),
                 request("a", done),
                 request("c", done),
+                request("e", done),
             ],
             replies,
         ));
+        let e = receivers.pop().unwrap();
         let d = tokio::time::timeout(Duration::from_secs(10), receivers.remove(0))
             .await
             .expect("d's reply comes while b is held")
             .unwrap();
         assert!(matches!(d, Ok(true)), "{d:?}");
-        let status = |key: &'static str| {
-            let (client, table) = (&client, &table);
-            async move {
-                client
-                    .query_one(
-                        &format!("SELECT status FROM {table} WHERE event_id = $1"),
-                        &[&key],
-                    )
-                    .await
-                    .unwrap()
-                    .get::<_, String>(0)
-            }
-        };
         assert_eq!(
-            status("d").await,
+            scratch.status("d").await,
             "done",
             "committed beside the waiting statement"
         );
         assert_eq!(
-            status("a").await,
+            scratch.status("a").await,
             "processing",
             "held by the waiting statement"
         );
-        assert_eq!(status("c").await, "processing", "left to its two rounds");
+        assert_eq!(
+            scratch.status("c").await,
+            "processing",
+            "left to its two rounds"
+        );
+        assert_eq!(scratch.status("e").await, "processing", "held");
+
+        holder_of_e.batch_execute("COMMIT").await.unwrap();
+        let e = tokio::time::timeout(Duration::from_secs(10), e)
+            .await
+            .expect("e's reply comes while b is held, once e is not")
+            .unwrap();
+        assert!(matches!(e, Ok(true)), "{e:?}");
+        assert_eq!(scratch.status("e").await, "done");
+        assert_eq!(
+            scratch.status("c").await,
+            "processing",
+            "left to its two rounds"
+        );
         assert!(!batch.is_finished(), "the statement still waits on b");
 
         holder.batch_execute("COMMIT").await.unwrap();
@@ -708,16 +811,13 @@ mod tests {
         for mut receiver in receivers {
             assert!(
                 receiver.try_recv().is_err(),
-                "only d had its reply early; the queue sends the others the batch's outcomes"
+                "only d and e had their replies early; the queue sends the others the batch's outcomes"
             );
         }
-        for key in ["a", "b", "c", "d"] {
-            assert_eq!(status(key).await, "done", "{key}");
+        for key in ["a", "b", "c", "d", "e"] {
+            assert_eq!(scratch.status(key).await, "done", "{key}");
         }
-        client
-            .batch_execute(&format!("DROP TABLE {table}"))
-            .await
-            .unwrap();
+        scratch.drop_table().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -730,6 +830,75 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it_under_serializable() {
         keys_a_waiting_settle_has_not_reached_are_settled_beside_it("serializable").await;
+    }
+
+    /// A claim batch that found a key failed takes it back in a statement
+    /// of its own, which waits on the row another transaction holds; the
+    /// batch's other keys were decided by the claim statement, and are
+    /// answered without waiting for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_a_claim_batch_has_decided_are_answered_before_its_take_back_waits() {
+        let scratch = Scratch::new("read committed").await;
+        scratch
+            .client
+            .batch_execute(&format!(
+                "INSERT INTO {} (source, event_id, status) VALUES ('orders', 'old', 'done'), ('orders', 'gone', 'failed')",
+                scratch.table
+            ))
+            .await
+            .unwrap();
+        let holder = scratch.hold("gone").await;
+        let request = |key: &str| ClaimRequest {
+            source: "orders".into(),
+            key: key.into(),
+            payload_sha256: [7; 32],
+            lease: Duration::from_secs(300),
+            reject_mismatch: false,
+        };
+        let runner = scratch.runner(Duration::from_secs(1));
+        let (replies, mut receivers) = Replies::for_test(3);
+        let batch = tokio::spawn(runner.claim_batch(
+            vec![request("old"), request("gone"), request("new")],
+            Lane::Beside,
+            replies,
+        ));
+        let new = receivers.pop().unwrap();
+        let old = tokio::time::timeout(Duration::from_secs(10), receivers.remove(0))
+            .await
+            .expect("the duplicate is answered while the take-back waits")
+            .unwrap();
+        assert!(matches!(old, Ok(Claim::Done { .. })), "{old:?}");
+        let new = new.await.unwrap();
+        assert!(
+            matches!(
+                new,
+                Ok(Claim::Won {
+                    from: WonFrom::New,
+                    ..
+                })
+            ),
+            "{new:?}"
+        );
+        assert_eq!(scratch.status("new").await, "processing", "committed");
+        assert!(!batch.is_finished(), "the take-back still waits on gone");
+
+        holder.batch_execute("COMMIT").await.unwrap();
+        let outcomes = batch.await.unwrap();
+        assert!(
+            matches!(
+                outcomes[1],
+                Ok(Claim::Won {
+                    from: WonFrom::Failed,
+                    ..
+                })
+            ),
+            "{outcomes:?}"
+        );
+        assert!(
+            receivers[0].try_recv().is_err(),
+            "gone's claim had no reply early"
+        );
+        scratch.drop_table().await;
     }
 
     #[test]

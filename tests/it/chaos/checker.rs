@@ -55,7 +55,11 @@ impl LogIndex {
                 let entry = (tag.clone(), key.to_owned(), attempt);
                 let set = match event["message"].as_str().unwrap_or("") {
                     "webhook" => &mut index.answered,
-                    m if m.starts_with("settle failed") => &mut index.settle_failed,
+                    m if m.starts_with("settle failed")
+                        || m.starts_with("settle still at the database") =>
+                    {
+                        &mut index.settle_failed
+                    }
                     m if m.starts_with("settled in the background") => &mut index.settled_later,
                     m if m.starts_with("claim was taken over") => &mut index.taken_over,
                     _ => continue,

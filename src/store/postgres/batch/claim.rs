@@ -11,7 +11,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use super::super::Params;
 use super::{BatchRunner, Round, analyze, rounds};
-use crate::store::coalesce::Lane;
+use crate::store::coalesce::{Lane, Replies};
 use crate::store::{Claim, ClaimRequest, Fence, StoreError, WonFrom};
 
 impl BatchRunner {
@@ -28,6 +28,7 @@ impl BatchRunner {
         mut self,
         requests: Vec<ClaimRequest>,
         lane: Lane,
+        replies: Replies<Claim>,
     ) -> Vec<Result<Claim, StoreError>> {
         if lane != Lane::Beside {
             match self.session.pipeline().await {
@@ -35,14 +36,24 @@ impl BatchRunner {
                 Err(error) => return vec![Err(error); requests.len()],
             }
         }
-        self.claim_rounds(&requests).await
+        self.claim_rounds(&requests, &replies).await
     }
 
-    async fn claim_rounds(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
+    /// A key decided before the rest of its round (see `claim_round`) has
+    /// its reply at once.
+    async fn claim_rounds(
+        &self,
+        requests: &[ClaimRequest],
+        replies: &Replies<Claim>,
+    ) -> Vec<Result<Claim, StoreError>> {
         let mut claims: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
         for round in rounds(requests, |r| (&r.source, &r.key)) {
             let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
-            for (slot, claim) in round.iter().zip(self.isolated(&round_requests).await) {
+            let decided_early = |position: usize, claim: &Result<Claim, StoreError>| {
+                replies.send(round[position], claim.clone());
+            };
+            let decided = self.isolated(&round_requests, &decided_early).await;
+            for (slot, claim) in round.iter().zip(decided) {
                 claims[*slot] = Some(claim.and_then(std::convert::identity));
             }
         }
@@ -71,10 +82,14 @@ impl BatchRunner {
     /// Claims the round's keys. Its new keys are decided, and committed, by
     /// the claim statement; what happens to keys it found failed or expired
     /// (taken back by a statement of their own) cannot undo that, so the
-    /// round's result is per key.
+    /// round's result is per key. Every other key is decided by then, and
+    /// passed to `decided_early` before the take-back, whose row locks may
+    /// wait on another transaction: a duplicate of a `done` key, or a new
+    /// key won, need not wait with it.
     async fn claim_round(
         &self,
         requests: &[&ClaimRequest],
+        decided_early: &(dyn Fn(usize, &Result<Claim, StoreError>) + Sync),
     ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
         let rows = match requests {
             [one] => {
@@ -111,6 +126,11 @@ impl BatchRunner {
             self.recheck_lost(requests, &unseen, &mut claims).await;
         }
         if !retakable.is_empty() {
+            for (index, claim) in claims.iter().enumerate() {
+                if let Some(claim) = claim.as_ref().filter(|_| !retakable.contains(&index)) {
+                    decided_early(index, claim);
+                }
+            }
             self.take_back(requests, &retakable, &mut claims).await;
         }
         Ok(claims
@@ -160,7 +180,8 @@ impl BatchRunner {
         let take_backs: Vec<TakeBack<'_>> =
             retakable.iter().map(|&i| TakeBack(requests[i])).collect();
         let take_backs: Vec<&TakeBack<'_>> = take_backs.iter().collect();
-        for (&index, taken) in retakable.iter().zip(self.isolated(&take_backs).await) {
+        let taken = self.isolated(&take_backs, &|_, _| {}).await;
+        for (&index, taken) in retakable.iter().zip(taken) {
             match taken {
                 Ok(Some(won)) => claims[index] = Some(Ok(won)),
                 Ok(None) => {}
@@ -239,8 +260,9 @@ impl Round for ClaimRequest {
     async fn run(
         runner: &BatchRunner,
         requests: &[&Self],
+        decided_early: &(dyn Fn(usize, &Self::Outcome) + Sync),
     ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
-        runner.claim_round(requests).await
+        runner.claim_round(requests, decided_early).await
     }
 }
 
@@ -254,6 +276,7 @@ impl Round for TakeBack<'_> {
     async fn run(
         runner: &BatchRunner,
         requests: &[&Self],
+        _decided_early: &(dyn Fn(usize, &Self::Outcome) + Sync),
     ) -> Result<Vec<Option<Claim>>, StoreError> {
         runner.retake_round(requests).await
     }
