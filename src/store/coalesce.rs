@@ -42,6 +42,13 @@ pub struct Limits {
     /// would otherwise wait for as long as those rows are held.
     pub stuck: usize,
     pub stuck_after: Duration,
+    /// Whether, once every slot has held a batch for `stuck_after` beyond
+    /// when the stuck slots opened, batches go out [`Lane::Unlocked`], with
+    /// no slot: for batches that can be run without waiting on any row
+    /// lock (settles), which slots full of batches waiting on held rows
+    /// would otherwise keep from the database for as long as those rows are
+    /// held.
+    pub unlocked: bool,
     /// Most batches sent behind the one running alone while the last batch
     /// to come back was read-only.
     pub behind: usize,
@@ -62,6 +69,10 @@ pub enum Lane {
     Behind,
     /// Beside a batch that has stalled, on a connection of its own.
     Beside,
+    /// With every slot held by a stuck batch, on a connection of its own if
+    /// one is free at once, waiting on no row lock (see
+    /// [`Limits::unlocked`]).
+    Unlocked,
 }
 
 /// A batch's result for one request.
@@ -180,27 +191,51 @@ where
     }
 }
 
-/// A slot beside the batch running alone, once it has run until
-/// `stalled_at`; or, with that slot taken too, one of the slots for stuck
-/// batches, once the last batch sent in the regular slots has run until
-/// `stuck_at`. Says whether the slot is one for stuck batches.
-async fn beside_a_stalled_batch(
-    beside: &Arc<Semaphore>,
-    stuck: &Arc<Semaphore>,
-    stalled_at: Instant,
-    stuck_at: Instant,
-) -> Result<(OwnedSemaphorePermit, bool), tokio::sync::AcquireError> {
-    tokio::time::sleep_until(stalled_at).await;
-    // Made only once the batch alone has stalled: the normal course sets no
-    // second timer.
-    let beside_the_stuck = async {
-        tokio::time::sleep_until(stuck_at).await;
-        Arc::clone(stuck).acquire_owned().await
-    };
-    tokio::select! {
-        biased;
-        slot = Arc::clone(beside).acquire_owned() => Ok((slot?, false)),
-        slot = beside_the_stuck => Ok((slot?, true)),
+/// The slots of a queue.
+struct Slots {
+    alone: Arc<Semaphore>,
+    behind: Arc<Semaphore>,
+    beside: Arc<Semaphore>,
+    stuck: Arc<Semaphore>,
+}
+
+impl Slots {
+    /// A slot beside the batch running alone, once it has run until
+    /// `stalled_at`; or, with that slot taken too, one of the slots for
+    /// stuck batches, once the last batch sent in the regular slots has run
+    /// until `stuck_at`; or, where `unlocked_at` is given and every slot is
+    /// taken then, none ([`Lane::Unlocked`]). Says whether the slot is one
+    /// for stuck batches (or none).
+    async fn beside_a_stalled_batch(
+        &self,
+        stalled_at: Instant,
+        stuck_at: Instant,
+        unlocked_at: Option<Instant>,
+    ) -> Result<(Option<OwnedSemaphorePermit>, Lane, bool), tokio::sync::AcquireError> {
+        tokio::time::sleep_until(stalled_at).await;
+        // Made only once the batch alone has stalled: the normal course sets
+        // no second timer.
+        let beside_the_stuck = async {
+            tokio::time::sleep_until(stuck_at).await;
+            Arc::clone(&self.stuck).acquire_owned().await
+        };
+        let without_a_slot = async {
+            let Some(unlocked_at) = unlocked_at else {
+                return std::future::pending().await;
+            };
+            tokio::time::sleep_until(unlocked_at).await;
+            let taken = [&self.alone, &self.beside, &self.stuck];
+            if taken.iter().any(|slot| slot.available_permits() > 0) {
+                // Taken in the other branches; the next round looks again.
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            biased;
+            slot = Arc::clone(&self.beside).acquire_owned() => Ok((Some(slot?), Lane::Beside, false)),
+            slot = beside_the_stuck => Ok((Some(slot?), Lane::Beside, true)),
+            () = without_a_slot => Ok((None, Lane::Unlocked, true)),
+        }
     }
 }
 
@@ -229,10 +264,12 @@ async fn dispatch<Request, Response, Run, Fut>(
     // it cost no one a longer commit; while the last batch to come back was
     // read-only, the next goes out at once, behind the one running alone
     // (not behind one that has stalled).
-    let alone = Arc::new(Semaphore::new(1));
-    let behind = Arc::new(Semaphore::new(limits.behind));
-    let beside = Arc::new(Semaphore::new(limits.in_flight.max(1) - 1));
-    let stuck = Arc::new(Semaphore::new(limits.stuck));
+    let slots = Slots {
+        alone: Arc::new(Semaphore::new(1)),
+        behind: Arc::new(Semaphore::new(limits.behind)),
+        beside: Arc::new(Semaphore::new(limits.in_flight.max(1) - 1)),
+        stuck: Arc::new(Semaphore::new(limits.stuck)),
+    };
     let read_only = Arc::new(AtomicBool::new(false));
     let max_batch = limits.max_batch.max(1);
     let mut alone_since = Instant::now();
@@ -248,18 +285,17 @@ async fn dispatch<Request, Response, Run, Fut>(
         let stalled_at = alone_since + limits.stalled_after;
         let stuck_at = regular_sent + limits.stuck_after;
         let behind_open = read_only.load(Ordering::Relaxed) && Instant::now() < stalled_at;
+        let unlocked_at = limits.unlocked.then_some(stuck_at + limits.stuck_after);
         let sent = tokio::select! {
             biased;
-            slot = Arc::clone(&alone).acquire_owned() => {
+            slot = Arc::clone(&slots.alone).acquire_owned() => {
                 alone_since = Instant::now();
-                slot.map(|slot| (slot, Lane::Alone, false))
+                slot.map(|slot| (Some(slot), Lane::Alone, false))
             }
-            slot = Arc::clone(&behind).acquire_owned(), if behind_open => {
-                slot.map(|slot| (slot, Lane::Behind, false))
+            slot = Arc::clone(&slots.behind).acquire_owned(), if behind_open => {
+                slot.map(|slot| (Some(slot), Lane::Behind, false))
             }
-            slot = beside_a_stalled_batch(&beside, &stuck, stalled_at, stuck_at) => {
-                slot.map(|(slot, stuck)| (slot, Lane::Beside, stuck))
-            }
+            sent = slots.beside_a_stalled_batch(stalled_at, stuck_at, unlocked_at) => sent,
         };
         let Ok((slot, lane, in_a_stuck_slot)) = sent else {
             return;
@@ -337,10 +373,28 @@ mod tests {
             stalled_after: Duration::from_millis(10),
             stuck: 0,
             stuck_after: Duration::ZERO,
+            unlocked: false,
             behind: 0,
             give_up_after: None,
         }
     }
+
+    /// Two regular slots, one batch each, the second open after 20 ms, and
+    /// `stuck` more once those have waited `STUCK_AFTER`.
+    fn two_slots(stuck: usize, unlocked: bool) -> Limits {
+        Limits {
+            in_flight: 2,
+            max_batch: 1,
+            stalled_after: Duration::from_millis(20),
+            stuck,
+            stuck_after: STUCK_AFTER,
+            unlocked,
+            behind: 0,
+            give_up_after: None,
+        }
+    }
+
+    const STUCK_AFTER: Duration = Duration::from_millis(250);
 
     /// A gated batch's result: its first request, and whether the test said
     /// it wrote nothing.
@@ -376,6 +430,7 @@ mod tests {
                 stalled_after,
                 stuck: 0,
                 stuck_after: Duration::ZERO,
+                unlocked: false,
                 behind,
                 give_up_after: None,
             })
@@ -495,6 +550,7 @@ mod tests {
             stalled_after: Duration::from_secs(3600),
             stuck: 0,
             stuck_after: Duration::ZERO,
+            unlocked: false,
             behind: 0,
             give_up_after: Some(limit),
         });
@@ -581,16 +637,8 @@ mod tests {
     /// behind them are not stuck too.
     #[tokio::test(start_paused = true)]
     async fn stuck_batches_let_more_go_out_beside_them_up_to_a_limit() {
-        let stuck_after = Duration::from_millis(250);
-        let mut gated = Gated::with_limits(Limits {
-            in_flight: 2,
-            max_batch: 1,
-            stalled_after: Duration::from_millis(20),
-            stuck: 2,
-            stuck_after,
-            behind: 0,
-            give_up_after: None,
-        });
+        let stuck_after = STUCK_AFTER;
+        let mut gated = Gated::with_limits(two_slots(2, false));
         let calls: Vec<_> = (0..5).map(|n| gated.call(n)).collect();
         assert_eq!(gated.next_started().await, Some(0));
         assert_eq!(gated.next_started().await, Some(1));
@@ -623,6 +671,65 @@ mod tests {
         gated.finish(5);
         assert_eq!(quick.await.unwrap(), 5);
         for n in [0, 1, 2] {
+            gated.finish(n);
+        }
+        for (n, call) in (0..).zip(calls) {
+            assert_eq!(call.await.unwrap(), n);
+        }
+    }
+
+    /// With every slot held by a stuck batch `stuck_after` beyond when the
+    /// stuck slots opened, a queue whose batches can run without waiting on
+    /// a row lock sends them without a slot; a slot freed is taken first.
+    #[tokio::test(start_paused = true)]
+    async fn with_every_slot_stuck_batches_that_wait_on_no_lock_go_out_without_one() {
+        let stuck_after = STUCK_AFTER;
+        let mut gated = Gated::with_limits(two_slots(1, true));
+        let calls: Vec<_> = (0..5).map(|n| gated.call(n)).collect();
+        assert_eq!(gated.next_started().await, Some(0));
+        assert_eq!(gated.next_started().await, Some(1));
+        let regular_sent = Instant::now();
+        assert_eq!(gated.next_started().await, Some(2));
+        assert_eq!(gated.lane(2), Lane::Beside, "in the stuck slot");
+        assert_eq!(gated.next_started().await, Some(3));
+        assert!(
+            regular_sent.elapsed() >= 2 * stuck_after,
+            "3 went out early"
+        );
+        assert_eq!(gated.lane(3), Lane::Unlocked);
+        let unlocked_sent = Instant::now();
+        assert_eq!(gated.next_started().await, Some(4));
+        assert_eq!(gated.lane(4), Lane::Unlocked);
+        assert_eq!(
+            unlocked_sent.elapsed(),
+            Duration::ZERO,
+            "no slot to wait for"
+        );
+        gated.finish(2);
+        let next = gated.call(5);
+        assert_eq!(gated.next_started().await, Some(5));
+        assert_eq!(gated.lane(5), Lane::Beside, "the freed stuck slot first");
+        for n in [0, 1, 3, 4, 5] {
+            gated.finish(n);
+        }
+        assert_eq!(next.await.unwrap(), 5);
+        for (n, call) in (0..).zip(calls) {
+            assert_eq!(call.await.unwrap(), n);
+        }
+    }
+
+    /// A queue whose batches may wait on row locks never sends one without
+    /// a slot.
+    #[tokio::test(start_paused = true)]
+    async fn with_every_slot_stuck_other_batches_wait_for_one() {
+        let mut gated = Gated::with_limits(two_slots(0, false));
+        let calls: Vec<_> = (0..3).map(|n| gated.call(n)).collect();
+        assert_eq!(gated.next_started().await, Some(0));
+        assert_eq!(gated.next_started().await, Some(1));
+        gated.assert_none_starts("no slot free").await;
+        gated.finish(1);
+        assert_eq!(gated.next_started().await, Some(2));
+        for n in [0, 2] {
             gated.finish(n);
         }
         for (n, call) in (0..).zip(calls) {

@@ -562,6 +562,18 @@ async fn an_answer_whose_settle_fails_is_still_returned_and_settled_later() {
     assert_eq!(app.deliver("evt_settle", "{}").await.outcome(), "duplicate");
 }
 
+/// A key's status in the claims table.
+async fn status_of(client: &tokio_postgres::Client, key: String) -> String {
+    client
+        .query_one(
+            "SELECT status FROM processed_events WHERE event_id = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// A settle waiting on a row another transaction holds locked outlasts
 /// `store.timeout`: its sender still gets the upstream's answer, and the
 /// write lands once the lock goes. Meanwhile every other key is settled
@@ -587,19 +599,7 @@ async fn a_settle_waiting_on_a_locked_row_holds_up_no_other_keys_settle() {
         .await;
     assert_eq!((locked.status, locked.outcome()), (200, "forwarded"));
     let client = app.store.postgres().await;
-    let status = |key: &str| {
-        let (client, key) = (&client, key.to_owned());
-        async move {
-            client
-                .query_one(
-                    "SELECT status FROM processed_events WHERE event_id = $1",
-                    &[&key],
-                )
-                .await
-                .unwrap()
-                .get::<_, String>(0)
-        }
-    };
+    let status = |key: &str| status_of(&client, key.to_owned());
     assert_eq!(status("evt_locked").await, "processing");
 
     // Past the background retry's first try, and several more.
@@ -635,6 +635,63 @@ async fn a_settle_waiting_on_a_locked_row_holds_up_no_other_keys_settle() {
         .await
         .expect("the waiting write lands once the lock goes");
     assert_eq!(app.deliver("evt_locked", "{}").await.outcome(), "duplicate");
+}
+
+/// With every settle slot taken by a statement waiting on a row another
+/// transaction holds (a pool of six leaves no slots for stuck statements
+/// beyond the two regular ones), the settle of any other key still lands
+/// before its answer: it goes out without a slot, waiting on no row lock,
+/// instead of queueing behind them for as long as the rows are held and
+/// past the key's lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_settle_slot_waiting_on_a_held_row_other_keys_still_settle() {
+    let app = TestApp::spawn(Backend::Postgres, |config| {
+        config.store.pool_size = 6;
+        config.store.timeout = Duration::from_millis(500);
+    })
+    .await;
+    let mut holders = Vec::new();
+    for key in ["evt_held_1", "evt_held_2"] {
+        let holder = app.store.postgres().await;
+        let answer = app
+            .deliver_answered_after(key, async {
+                holder
+                    .batch_execute(&format!(
+                        "BEGIN; SELECT 1 FROM processed_events WHERE event_id = '{key}' FOR UPDATE"
+                    ))
+                    .await
+                    .unwrap();
+            })
+            .await;
+        assert_eq!(answer.outcome(), "forwarded", "{key}");
+        holders.push(holder);
+    }
+    let client = app.store.postgres().await;
+    let status = |key: &str| status_of(&client, key.to_owned());
+    assert_eq!(
+        waiting_on_locks(&client).await.len(),
+        2,
+        "both settle slots wait on held rows"
+    );
+    for key in ["evt_free_1", "evt_free_2"] {
+        assert_eq!(app.deliver(key, "{}").await.outcome(), "forwarded", "{key}");
+        assert_eq!(
+            status(key).await,
+            "done",
+            "{key} is settled before its answer"
+        );
+    }
+    for holder in &holders {
+        holder.batch_execute("COMMIT").await.unwrap();
+    }
+    let settled = async {
+        while status("evt_held_1").await != "done" || status("evt_held_2").await != "done" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), settled)
+        .await
+        .expect("the waiting writes land once the locks go");
 }
 
 async fn in_shadow_mode_a_claim_won_too_late_is_released_and_the_delivery_forwarded(

@@ -19,7 +19,7 @@ pub(super) use claim::TakingBack;
 
 use super::sql::Statements;
 use super::{Connection, Params, Session, postgres_error};
-use crate::store::coalesce::{Coalescer, Limits, Outcome, Replies};
+use crate::store::coalesce::{Coalescer, Lane, Limits, Outcome, Replies};
 use crate::store::{Claim, ClaimRequest, Fence, Settlement, StoreError};
 
 /// The coalescing queues, started on first use (they need a runtime).
@@ -93,6 +93,7 @@ impl Batches {
             stuck,
             // Well before a request queued behind them is given up on.
             stuck_after: STUCK_AFTER.min(claim_timeout / 2),
+            unlocked: true,
             behind: 0,
             give_up_after: None,
         };
@@ -101,6 +102,8 @@ impl Batches {
         let pipelining = pool_size >= BATCHES_IN_FLIGHT + 2;
         let claim_limits = Limits {
             behind: if pipelining { CLAIMS_BEHIND } else { 0 },
+            // A claim is decided by a statement that may wait on a row lock.
+            unlocked: false,
             give_up_after: Some(claim_timeout),
             ..settle_limits
         };
@@ -115,8 +118,8 @@ impl Batches {
             claims: Coalescer::start(claim_limits, move |batch, lane, replies| {
                 runner.clone().claim_batch(batch, lane, replies)
             }),
-            settles: Coalescer::start(settle_limits, move |batch, _lane, replies| {
-                settle_runner.clone().settle_batch(batch, replies)
+            settles: Coalescer::start(settle_limits, move |batch, lane, replies| {
+                settle_runner.clone().settle_batch(batch, lane, replies)
             }),
         }
     }
@@ -257,9 +260,13 @@ impl BatchRunner {
     /// deadlock then costs the server's `deadlock_timeout` and a rerun.) Sorting here, not
     /// in the statement, costs the database nothing: a locking sort there
     /// would write a lock record for every row it then updates anyway.
+    ///
+    /// A batch sent while every slot holds a stuck one
+    /// ([`Lane::Unlocked`]) waits on no row lock: see `settle_without_waiting`.
     async fn settle_batch(
         self,
         requests: Vec<SettleRequest>,
+        lane: Lane,
         replies: Replies<bool>,
     ) -> Vec<Result<bool, StoreError>> {
         fn key(r: &SettleRequest) -> (&str, &str) {
@@ -287,9 +294,12 @@ impl BatchRunner {
                 .map(|r| queued.get(&key(r)).is_none_or(|&count| count <= number + 1))
                 .collect();
             let settled_early = |position: usize| replies.send(round[position], Ok(true));
-            let round_outcomes = self
-                .settle_isolated(&sorted, &alone_in_batch, settled_early)
-                .await;
+            let round_outcomes = if lane == Lane::Unlocked {
+                self.settle_without_waiting(&sorted).await
+            } else {
+                self.settle_isolated(&sorted, &alone_in_batch, settled_early)
+                    .await
+            };
             for (&index, outcome) in round.iter().zip(round_outcomes) {
                 outcomes[index] = outcome;
             }
@@ -469,17 +479,14 @@ impl BatchRunner {
             );
             return;
         };
-        let arrays = SettleArrays::of(positions.iter().map(|&p| requests[p]));
-        let params = arrays.params();
-        match self
-            .session
-            .query_on(&connection, &self.sql.settle_unlocked, &params)
-            .await
-        {
-            Ok(rows) => {
-                for position in ordinals(&rows, positions.len()).map(|i| positions[i]) {
-                    beside.settled[position] = true;
-                    settled_early(position);
+        let these: Vec<&SettleRequest> = positions.iter().map(|&p| requests[p]).collect();
+        match self.run_settle_unlocked(&connection, &these).await {
+            Ok(outcomes) => {
+                for (&position, outcome) in positions.iter().zip(outcomes) {
+                    if outcome == Unlocked::Settled {
+                        beside.settled[position] = true;
+                        settled_early(position);
+                    }
                 }
             }
             Err(error) => {
@@ -492,6 +499,74 @@ impl BatchRunner {
             }
         }
     }
+}
+
+impl BatchRunner {
+    /// Settles a round sent while every slot holds a settle statement
+    /// waiting on a row another transaction holds, without waiting on any
+    /// row lock, on a connection the pool has free at once: otherwise it
+    /// would wait behind them for as long as those rows are held, and past
+    /// its keys' leases. A key whose row another transaction holds fails,
+    /// and is retried in the background like any settle that failed.
+    async fn settle_without_waiting(
+        &self,
+        requests: &[&SettleRequest],
+    ) -> Vec<Result<bool, StoreError>> {
+        let Some(connection) = self.session.spare_client().await else {
+            let error = StoreError::Unreachable(
+                "no connection free for a settle while every settle statement waits on a row another transaction holds".into(),
+            );
+            return vec![Err(error); requests.len()];
+        };
+        match self.run_settle_unlocked(&connection, requests).await {
+            Ok(outcomes) => outcomes
+                .into_iter()
+                .map(|outcome| match outcome {
+                    Unlocked::Settled => Ok(true),
+                    Unlocked::NoLongerHeld => Ok(false),
+                    Unlocked::Locked => Err(StoreError::Refused(
+                        "the key's row is locked by another transaction".into(),
+                    )),
+                })
+                .collect(),
+            Err(error) => vec![Err(error); requests.len()],
+        }
+    }
+
+    /// Runs `settle_unlocked` for `requests` on `connection`.
+    async fn run_settle_unlocked(
+        &self,
+        connection: &Connection,
+        requests: &[&SettleRequest],
+    ) -> Result<Vec<Unlocked>, StoreError> {
+        let arrays = SettleArrays::of(requests.iter().copied());
+        let rows = self
+            .session
+            .query_on(connection, &self.sql.settle_unlocked, &arrays.params())
+            .await?;
+        let mut outcomes = vec![Unlocked::NoLongerHeld; requests.len()];
+        for row in &rows {
+            let position = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
+            if let Some(outcome) = outcomes.get_mut(position) {
+                *outcome = if row.get::<_, bool>(1) {
+                    Unlocked::Settled
+                } else {
+                    Unlocked::Locked
+                };
+            }
+        }
+        Ok(outcomes)
+    }
+}
+
+/// What `settle_unlocked` did with a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unlocked {
+    Settled,
+    /// Another transaction holds its row; it was skipped.
+    Locked,
+    /// This attempt no longer holds the key (see `Fence`).
+    NoLongerHeld,
 }
 
 /// What was settled beside a waiting settle statement.
@@ -681,6 +756,40 @@ mod tests {
             }
         }
 
+        /// Claims `keys` as first attempts, `processing`; a settle of one
+        /// with `attempt` and `settlement`.
+        async fn processing(
+            &self,
+            keys: &[&str],
+        ) -> impl Fn(&str, i32, Settlement) -> SettleRequest {
+            let claimed: HashMap<String, SystemTime> = self
+                .client
+                .query(
+                    &format!(
+                        "INSERT INTO {} (source, event_id, status, claimed_at, lease_expires_at)
+                         SELECT 'orders', k, 'processing', now(), now() + interval '5 minutes'
+                           FROM unnest($1::text[]) k
+                         RETURNING event_id, claimed_at",
+                        self.table
+                    ),
+                    &[&keys],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| (row.get(0), row.get(1)))
+                .collect();
+            move |key, attempt, settlement| SettleRequest {
+                source: "orders".into(),
+                key: key.into(),
+                fence: Fence {
+                    attempt,
+                    claimed_at: claimed[key],
+                },
+                settlement,
+            }
+        }
+
         /// A transaction that holds `key`'s row locked until it ends.
         async fn hold(&self, key: &str) -> tokio_postgres::Client {
             let holder = connect(&self.url).await;
@@ -721,33 +830,8 @@ mod tests {
     /// alone would leave it `failed` until the `done` after it lands.
     async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it(isolation: &str) {
         let scratch = Scratch::new(isolation).await;
-        let claimed = scratch
-            .client
-            .query(
-                &format!(
-                    "INSERT INTO {} (source, event_id, status, claimed_at, lease_expires_at)
-                     SELECT 'orders', k, 'processing', now(), now() + interval '5 minutes'
-                       FROM unnest(ARRAY['a', 'b', 'c', 'd', 'e']) k
-                     RETURNING event_id, claimed_at",
-                    scratch.table
-                ),
-                &[],
-            )
-            .await
-            .unwrap();
-        let request = |key: &str, settlement: Settlement| SettleRequest {
-            source: "orders".into(),
-            key: key.into(),
-            fence: Fence {
-                attempt: 1,
-                claimed_at: claimed
-                    .iter()
-                    .find(|row| row.get::<_, &str>(0) == key)
-                    .unwrap()
-                    .get(1),
-            },
-            settlement,
-        };
+        let settle = scratch.processing(&["a", "b", "c", "d", "e"]).await;
+        let request = |key: &str, settlement| settle(key, 1, settlement);
         let done = Settlement {
             status: SettledStatus::Done,
             response_status: Some(200),
@@ -766,6 +850,7 @@ mod tests {
                 request("c", done),
                 request("e", done),
             ],
+            Lane::Alone,
             replies,
         ));
         let e = receivers.pop().unwrap();
@@ -833,6 +918,45 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it_under_serializable() {
         keys_a_waiting_settle_has_not_reached_are_settled_beside_it("serializable").await;
+    }
+
+    /// Sent while every slot holds a stuck settle, a settle waits on no row
+    /// lock: a key another transaction holds fails at once (to be retried
+    /// in the background), the others are settled, and one this attempt no
+    /// longer holds is answered so.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_settle_sent_while_every_slot_is_stuck_waits_on_no_row_lock() {
+        let scratch = Scratch::new("read committed").await;
+        let settle = scratch.processing(&["free", "held", "taken"]).await;
+        let done = Settlement {
+            status: SettledStatus::Done,
+            response_status: Some(200),
+        };
+        let request = |key: &str, attempt| settle(key, attempt, done);
+        let holder = scratch.hold("held").await;
+        let (replies, _receivers) = Replies::for_test(3);
+        let outcomes = tokio::time::timeout(
+            Duration::from_secs(10),
+            scratch.runner(Duration::from_secs(1)).settle_batch(
+                // `taken` as by an attempt another has since taken over.
+                vec![request("held", 1), request("free", 1), request("taken", 2)],
+                Lane::Unlocked,
+                replies,
+            ),
+        )
+        .await
+        .expect("answered while held is held");
+        assert!(
+            matches!(&outcomes[0], Err(StoreError::Refused(why)) if why.contains("locked")),
+            "{outcomes:?}"
+        );
+        assert!(matches!(outcomes[1], Ok(true)), "{outcomes:?}");
+        assert!(matches!(outcomes[2], Ok(false)), "{outcomes:?}");
+        assert_eq!(scratch.status("free").await, "done");
+        assert_eq!(scratch.status("taken").await, "processing");
+        holder.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(scratch.status("held").await, "processing");
+        scratch.drop_table().await;
     }
 
     /// A claim batch that found a key failed takes it back in a statement

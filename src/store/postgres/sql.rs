@@ -258,7 +258,11 @@ impl Statements {
             // conflict and run again, and then does the same). Run only for
             // a settle that has waited, so the locking, which writes a lock
             // record for every row it then updates, costs the normal course
-            // nothing.
+            // nothing; and for a batch sent while every slot holds a stuck
+            // one (`Lane::Unlocked`). Returns each key settled (`true`), and
+            // each the statement's snapshot shows settleable but it skipped
+            // (`false`: another transaction holds its row); a key in neither
+            // is settled no longer by this attempt.
             settle_unlocked: format!(
                 "WITH u AS (
                    SELECT * FROM {settle_arrays}
@@ -271,15 +275,23 @@ impl Statements {
                     WHERE e.attempts = u.attempt AND e.claimed_at = u.claimed_at
                       AND {settleable_each}
                       FOR UPDATE OF e SKIP LOCKED
+                 ), settled AS (
+                   UPDATE {table} AS e
+                      SET status = u.status, response_status = u.response_status,
+                          completed_at = now(), lease_expires_at = NULL
+                     FROM u JOIN unlocked USING (ord)
+                    WHERE e.source = u.source AND e.event_id = u.event_id
+                      AND e.attempts = u.attempt AND e.claimed_at = u.claimed_at
+                      AND {settleable_each}
+                   RETURNING u.ord
                  )
-                 UPDATE {table} AS e
-                    SET status = u.status, response_status = u.response_status,
-                        completed_at = now(), lease_expires_at = NULL
-                   FROM u JOIN unlocked USING (ord)
-                  WHERE e.source = u.source AND e.event_id = u.event_id
-                    AND e.attempts = u.attempt AND e.claimed_at = u.claimed_at
+                 SELECT ord, true FROM settled
+                 UNION ALL
+                 SELECT u.ord, false
+                   FROM u JOIN {table} e ON e.source = u.source AND e.event_id = u.event_id
+                  WHERE e.attempts = u.attempt AND e.claimed_at = u.claimed_at
                     AND {settleable_each}
-                 RETURNING u.ord"
+                    AND u.ord NOT IN (SELECT ord FROM settled)"
             ),
             settle_one: format!(
                 "UPDATE {table}
