@@ -163,6 +163,11 @@ pub enum StoreError {
     /// failure); the connection is healthy.
     #[error("postgres refused the statement: {0}")]
     Refused(String),
+    /// A settle sent while every settle statement waits on a held row
+    /// skipped its key's row, which another transaction holds locked;
+    /// nothing was written.
+    #[error("the key's row is locked by another transaction")]
+    RowLocked,
     /// SQLite failed.
     #[error("sqlite: {0}")]
     Sqlite(String),

@@ -524,9 +524,7 @@ impl BatchRunner {
                 .map(|outcome| match outcome {
                     Unlocked::Settled => Ok(true),
                     Unlocked::NoLongerHeld => Ok(false),
-                    Unlocked::Locked => Err(StoreError::Refused(
-                        "the key's row is locked by another transaction".into(),
-                    )),
+                    Unlocked::Locked => Err(StoreError::RowLocked),
                 })
                 .collect(),
             Err(error) => vec![Err(error); requests.len()],
@@ -947,7 +945,7 @@ mod tests {
         .await
         .expect("answered while held is held");
         assert!(
-            matches!(&outcomes[0], Err(StoreError::Refused(why)) if why.contains("locked")),
+            matches!(&outcomes[0], Err(StoreError::RowLocked)),
             "{outcomes:?}"
         );
         assert!(matches!(outcomes[1], Ok(true)), "{outcomes:?}");
