@@ -393,20 +393,17 @@ impl BatchRunner {
         settled_early: impl Fn(usize),
     ) -> (Result<Vec<bool>, StoreError>, Option<Beside>) {
         let arrays = SettleArrays::of(requests.iter().copied());
-        let pooled;
-        let connection = match &self.connection {
-            Some(connection) => connection.as_ref(),
-            None => match self.session.client().await {
-                Ok(connection) => {
-                    pooled = connection;
-                    &pooled
-                }
-                Err(error) => return (Err(error), None),
-            },
+        // Settle batches have no pipeline: each takes a connection.
+        let connection = match self.session.client().await {
+            Ok(connection) => connection,
+            Err(error) => return (Err(error), None),
         };
         let params = arrays.params();
-        let mut statement =
-            std::pin::pin!(self.session.query_on(connection, &self.sql.settle, &params));
+        let mut statement = std::pin::pin!(self.session.query_on(
+            &connection,
+            &self.sql.settle,
+            &params
+        ));
         let (rows, beside) = match tokio::time::timeout(self.stuck_after, &mut statement).await {
             Ok(rows) => (rows, None),
             Err(_stuck) => {
@@ -423,7 +420,7 @@ impl BatchRunner {
         };
         let settled = rows.map(|rows| {
             let mut settled = vec![false; requests.len()];
-            for position in ordinals(&rows, requests.len()) {
+            for (position, _) in ordinals(&rows, requests.len()) {
                 settled[position] = true;
             }
             settled
@@ -543,15 +540,12 @@ impl BatchRunner {
             .query_on(connection, &self.sql.settle_unlocked, &arrays.params())
             .await?;
         let mut outcomes = vec![Unlocked::NoLongerHeld; requests.len()];
-        for row in &rows {
-            let position = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            if let Some(outcome) = outcomes.get_mut(position) {
-                *outcome = if row.get::<_, bool>(1) {
-                    Unlocked::Settled
-                } else {
-                    Unlocked::Locked
-                };
-            }
+        for (position, row) in ordinals(&rows, requests.len()) {
+            outcomes[position] = if row.get::<_, bool>(1) {
+                Unlocked::Settled
+            } else {
+                Unlocked::Locked
+            };
         }
         Ok(outcomes)
     }
@@ -636,10 +630,10 @@ impl<'a> SettleArrays<'a> {
 
 /// The positions in a round named by `rows`' first column, the input's
 /// ordinal (from 1).
-fn ordinals(rows: &[Row], round: usize) -> impl Iterator<Item = usize> + '_ {
+fn ordinals(rows: &[Row], round: usize) -> impl Iterator<Item = (usize, &Row)> {
     rows.iter()
-        .filter_map(|row| usize::try_from(row.get::<_, i64>(0) - 1).ok())
-        .filter(move |&position| position < round)
+        .filter_map(|row| Some((usize::try_from(row.get::<_, i64>(0) - 1).ok()?, row)))
+        .filter(move |&(position, _)| position < round)
 }
 
 /// What one round of a batch runs: claims or settles, as one statement for
@@ -697,6 +691,11 @@ mod tests {
         tokio::spawn(connection);
         client
     }
+
+    const DONE: Settlement = Settlement {
+        status: SettledStatus::Done,
+        response_status: Some(200),
+    };
 
     /// A store on a table of its own, on connections whose transactions
     /// default to `isolation`, and a client beside it.
@@ -830,10 +829,6 @@ mod tests {
         let scratch = Scratch::new(isolation).await;
         let settle = scratch.processing(&["a", "b", "c", "d", "e"]).await;
         let request = |key: &str, settlement| settle(key, 1, settlement);
-        let done = Settlement {
-            status: SettledStatus::Done,
-            response_status: Some(200),
-        };
         let (holder, holder_of_e) = (scratch.hold("b").await, scratch.hold("e").await);
         // Long enough for the statement to have locked `a` by then.
         let runner = scratch.runner(Duration::from_secs(1));
@@ -841,12 +836,12 @@ mod tests {
         let (replies, mut receivers) = Replies::for_test(6);
         let batch = tokio::spawn(runner.settle_batch(
             vec![
-                request("d", done),
+                request("d", DONE),
                 request("c", Settlement::RELEASED),
-                request("b", done),
-                request("a", done),
-                request("c", done),
-                request("e", done),
+                request("b", DONE),
+                request("a", DONE),
+                request("c", DONE),
+                request("e", DONE),
             ],
             Lane::Alone,
             replies,
@@ -926,11 +921,7 @@ mod tests {
     async fn a_settle_sent_while_every_slot_is_stuck_waits_on_no_row_lock() {
         let scratch = Scratch::new("read committed").await;
         let settle = scratch.processing(&["free", "held", "taken"]).await;
-        let done = Settlement {
-            status: SettledStatus::Done,
-            response_status: Some(200),
-        };
-        let request = |key: &str, attempt| settle(key, attempt, done);
+        let request = |key: &str, attempt| settle(key, attempt, DONE);
         let holder = scratch.hold("held").await;
         let (replies, _receivers) = Replies::for_test(3);
         let outcomes = tokio::time::timeout(

@@ -126,8 +126,12 @@ impl BatchRunner {
             self.recheck_lost(requests, &unseen, &mut claims).await;
         }
         if !retakable.is_empty() {
+            let mut decided = vec![true; claims.len()];
+            for &index in &retakable {
+                decided[index] = false;
+            }
             for (index, claim) in claims.iter().enumerate() {
-                if let Some(claim) = claim.as_ref().filter(|_| !retakable.contains(&index)) {
+                if let Some(claim) = claim.as_ref().filter(|_| decided[index]) {
                     decided_early(index, claim);
                 }
             }
