@@ -135,6 +135,7 @@ impl Session {
                     if rolled_back_for_a_conflict(&error) && conflicts < CONFLICT_RETRIES =>
                 {
                     conflicts += 1;
+                    tokio::time::sleep(conflict_backoff(conflicts)).await;
                 }
                 rows => return rows.map_err(postgres_error),
             }
@@ -210,6 +211,18 @@ pub(super) fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
 /// normally goes through.
 const CONFLICT_RETRIES: u32 = 10;
 
+/// How long to wait before running a statement again after its `conflicts`th
+/// rollback: a random time up to a bound that doubles with each, from 1 ms
+/// to 32 ms (191 ms over all ten at most). Replicas whose statements
+/// conflicted, run again at once, meet again: the claims and take-backs of
+/// keys several replicas are claiming, on a `serializable` database, could
+/// roll each other back every time. At random times they run one after
+/// another.
+fn conflict_backoff(conflicts: u32) -> Duration {
+    let bound_us = 1000u64 << conflicts.saturating_sub(1).min(5);
+    Duration::from_micros(fastrand::u64(0..=bound_us))
+}
+
 /// Whether the server rolled the statement back because of a concurrent
 /// transaction: a serialization failure or a deadlock.
 fn rolled_back_for_a_conflict(error: &tokio_postgres::Error) -> bool {
@@ -259,4 +272,27 @@ fn types(params: &Params<'_>) -> Vec<Type> {
 
 fn values<'a>(params: &'a Params<'a>) -> Vec<&'a (dyn ToSql + Sync)> {
     params.iter().map(|(value, _)| *value).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn a_statement_run_again_after_a_conflict_waits_a_bounded_random_time() {
+        let longest = |conflicts: u32| {
+            (0..2000)
+                .map(|_| conflict_backoff(conflicts))
+                .max()
+                .unwrap()
+        };
+        assert!(longest(1) <= Duration::from_millis(1));
+        assert!(longest(2) <= Duration::from_millis(2));
+        assert!(longest(6) <= Duration::from_millis(32));
+        assert!(longest(CONFLICT_RETRIES) <= Duration::from_millis(32));
+        let waits: HashSet<Duration> = (0..50).map(|_| conflict_backoff(3)).collect();
+        assert!(waits.len() > 1, "random, so replicas part: {waits:?}");
+    }
 }
