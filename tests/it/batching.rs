@@ -531,14 +531,13 @@ async fn a_key_the_database_refuses_fails_alone() {
 
 /// New keys are committed by the claim statement before the keys it found
 /// failed are taken back by another: when the database refuses the take-back
-/// (here, a row lock it may not wait for), only the failed key's claim
-/// fails. The new keys of its batch stay won, and the failed key is still
-/// there to be taken back once the lock is gone.
+/// (here, a trigger that refuses to update the row), only the failed key's
+/// claim fails. The new keys of its batch stay won, and the failed key is
+/// still there to be taken back once the database lets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_take_back_the_database_refuses_fails_only_its_own_key() {
     let test_store = TestStore::new(Backend::Postgres).await;
-    let impatient = format!("{}?options=-c%20lock_timeout%3D100ms", test_store.url);
-    let store = open(&impatient).await;
+    let store = open(&test_store.url).await;
     assert!(matches!(
         store.claim(&request("failed")).await.unwrap(),
         Claim::Won {
@@ -551,8 +550,16 @@ async fn a_take_back_the_database_refuses_fails_only_its_own_key() {
             .await
             .unwrap()
     );
-    let mut holder = test_store.postgres().await;
-    let hold = lock_key(&mut holder, "failed").await;
+    let client = test_store.postgres().await;
+    client
+        .batch_execute(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql
+               AS $$ BEGIN RAISE EXCEPTION 'refused'; END $$;
+             CREATE TRIGGER refuse BEFORE UPDATE ON processed_events FOR EACH ROW
+               WHEN (OLD.event_id = 'failed') EXECUTE FUNCTION refuse()",
+        )
+        .await
+        .unwrap();
 
     // `new0` goes out alone; the rest queue behind it as one batch.
     let mut keys: Vec<String> = (0..10).map(|i| format!("new{i}")).collect();
@@ -583,7 +590,10 @@ async fn a_take_back_the_database_refuses_fails_only_its_own_key() {
     let row = store.show("src", "failed").await.unwrap().unwrap();
     assert_eq!((row.status, row.attempts), (KeyStatus::Failed, 1));
 
-    hold.commit().await.unwrap();
+    client
+        .batch_execute("DROP TRIGGER refuse ON processed_events")
+        .await
+        .unwrap();
     assert!(matches!(
         store.claim(&request("failed")).await.unwrap(),
         Claim::Won {
@@ -764,14 +774,81 @@ async fn claims_behind_a_batch_waiting_on_a_row_lock_still_go_out() {
     ));
 }
 
+/// A key found failed whose row another transaction holds (a take-back on
+/// another replica, a settle, a `keys` command, a transaction left open) is
+/// answered in flight at once rather than sent to wait on the lock, holding
+/// a claim slot for as long as the row is held: its sender retries, and
+/// takes the key back once the row is let go. The other keys of its batch
+/// are decided as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_key_whose_row_another_transaction_holds_is_answered_in_flight() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open_with_timeout(&test_store.url, Duration::from_secs(10)).await;
+    for key in ["held", "free"] {
+        assert!(won_attempt(&store.claim(&request(key)).await.unwrap()) == Some(1));
+        assert!(
+            settle_attempt(&store, "src", key, 1, Settlement::RELEASED)
+                .await
+                .unwrap()
+        );
+    }
+    let mut holder = test_store.postgres().await;
+    let hold = lock_key(&mut holder, "held").await;
+
+    let keys: Vec<String> = ["new", "held", "free"].map(String::from).to_vec();
+    let claims = tokio::time::timeout(Duration::from_secs(10), claim_all(&store, &keys))
+        .await
+        .expect("answered while the row is held");
+    for (key, claim) in claims {
+        let expected = match key.as_str() {
+            "held" => matches!(
+                claim,
+                Ok(Claim::InFlight {
+                    payload_mismatch: false
+                })
+            ),
+            "free" => matches!(
+                claim,
+                Ok(Claim::Won {
+                    fence: Fence { attempt: 2, .. },
+                    from: WonFrom::Failed,
+                    ..
+                })
+            ),
+            _ => matches!(
+                claim,
+                Ok(Claim::Won {
+                    fence: Fence { attempt: 1, .. },
+                    from: WonFrom::New,
+                    ..
+                })
+            ),
+        };
+        assert!(expected, "{key}: {claim:?}");
+    }
+    let row = store.show("src", "held").await.unwrap().unwrap();
+    assert_eq!((row.status, row.attempts), (KeyStatus::Failed, 1));
+
+    hold.commit().await.unwrap();
+    assert!(matches!(
+        store.claim(&request("held")).await.unwrap(),
+        Claim::Won {
+            fence: Fence { attempt: 2, .. },
+            from: WonFrom::Failed,
+            ..
+        }
+    ));
+}
+
 /// While claims come back read-only (duplicates), the next batches are
 /// pipelined on the connection of those still at the database. A batch that
-/// then takes a key back, and waits on its row lock, first takes its
-/// connection out of the pipeline: the claims sent after it go out on
+/// then takes a key back, a write whose commit may be slow (a synchronous
+/// standby lagging, say; here, a trigger that waits on a lock), first takes
+/// its connection out of the pipeline: the claims sent after it go out on
 /// another connection and are decided while it still waits, and a second
 /// delivery of that key is answered in flight rather than sent to wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
+async fn claims_sent_while_a_take_back_is_slow_still_go_out() {
     let test_store = TestStore::new(Backend::Postgres).await;
     let store = open_with_timeout(&test_store.url, Duration::from_secs(10)).await;
     let done = Settlement {
@@ -795,11 +872,24 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
         ),
         "a read-only batch came back"
     );
-    let mut holder = test_store.postgres().await;
-    let hold = lock_key(&mut holder, "failed").await;
-    let taking_back = take_back_waiting_on_its_lock(&test_store, &store, "failed").await;
+    let holder = test_store.postgres().await;
+    holder
+        .batch_execute(
+            "CREATE FUNCTION stall() RETURNS trigger LANGUAGE plpgsql
+               AS $$ BEGIN PERFORM pg_advisory_xact_lock(7); RETURN NEW; END $$;
+             CREATE TRIGGER stall BEFORE UPDATE ON processed_events FOR EACH ROW
+               WHEN (OLD.event_id = 'failed') EXECUTE FUNCTION stall();
+             SELECT pg_advisory_lock(7)",
+        )
+        .await
+        .unwrap();
+    let taking_back = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("failed")).await }
+    });
+    until_waiting_on_locks(&test_store.postgres().await, 1).await;
 
-    // A second delivery of the key would only wait on the same lock, and
+    // A second delivery of the key would only wait beside the first, and
     // two such batches would hold every claim slot: it is answered in
     // flight at once (at most one of the two could win).
     let second = tokio::time::timeout(Duration::from_secs(10), store.claim(&request("failed")))
@@ -816,7 +906,10 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     );
     claim_a_free_key(&store, "the take-back waits").await;
     assert!(!taking_back.is_finished());
-    hold.commit().await.unwrap();
+    holder
+        .batch_execute("SELECT pg_advisory_unlock(7)")
+        .await
+        .unwrap();
     assert!(matches!(
         taking_back.await.unwrap().unwrap(),
         Claim::Won {
@@ -829,40 +922,39 @@ async fn claims_sent_while_a_take_back_waits_on_a_row_lock_still_go_out() {
     assert!(matches!(third, Claim::InFlight { .. }), "{third:?}");
 }
 
-/// Two take-backs waiting on rows another transaction holds hold both claim
-/// slots: once they have waited long enough to be judged stuck, not slow,
-/// the claims queued behind them go out beside them and are decided.
+/// Two claim batches waiting on rows another replica is inserting hold both
+/// claim slots: once they have waited long enough to be judged stuck, not
+/// slow, the claims queued behind them go out beside them and are decided.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claims_behind_two_take_backs_waiting_on_locks_still_go_out() {
+async fn claims_behind_two_batches_waiting_on_row_locks_still_go_out() {
     let test_store = TestStore::new(Backend::Postgres).await;
     let store = open_with_timeout(&test_store.url, Duration::from_secs(10)).await;
-    for key in ["failed_a", "failed_b"] {
-        assert!(won_attempt(&store.claim(&request(key)).await.unwrap()) == Some(1));
-        assert!(
-            settle_attempt(&store, "src", key, 1, Settlement::RELEASED)
-                .await
-                .unwrap()
-        );
+    let mut other_replica = test_store.postgres().await;
+    let insert = other_replica.transaction().await.unwrap();
+    insert
+        .execute(
+            "INSERT INTO processed_events (source, event_id, status, lease_expires_at)
+             SELECT 'src', k, 'processing', now() + interval '1 minute'
+               FROM unnest(ARRAY['held_a', 'held_b']) k",
+            &[],
+        )
+        .await
+        .unwrap();
+    let observer = test_store.postgres().await;
+    let mut waiting = Vec::new();
+    for (number, key) in [(1, "held_a"), (2, "held_b")] {
+        waiting.push(tokio::spawn({
+            let store = store.clone();
+            async move { store.claim(&request(key)).await }
+        }));
+        until_waiting_on_locks(&observer, number).await;
     }
-    let mut holder = test_store.postgres().await;
-    let hold = holder.transaction().await.unwrap();
-    hold.execute(
-        "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id IN ('failed_a', 'failed_b') FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
-    let first = take_back_waiting_on_its_lock(&test_store, &store, "failed_a").await;
-    let second = tokio::spawn({
-        let store = store.clone();
-        async move { store.claim(&request("failed_b")).await }
-    });
-    until_waiting_on_locks(&test_store.postgres().await, 2).await;
 
-    claim_a_free_key(&store, "two take-backs wait").await;
-    hold.commit().await.unwrap();
-    for taken_back in [first, second] {
-        assert!(won_attempt(&taken_back.await.unwrap().unwrap()) == Some(2));
+    claim_a_free_key(&store, "two batches wait").await;
+    insert.commit().await.unwrap();
+    for claim in waiting {
+        let claim = claim.await.unwrap();
+        assert!(matches!(claim, Ok(Claim::InFlight { .. })), "{claim:?}");
     }
 }
 
@@ -925,22 +1017,6 @@ async fn claim_a_free_key(store: &Store, waiting: &str) {
     assert!(won_attempt(&free.unwrap()) == Some(1));
 }
 
-/// Claims the failed `key`, whose row another transaction holds locked;
-/// returns once the take-back waits on that lock.
-async fn take_back_waiting_on_its_lock(
-    test_store: &TestStore,
-    store: &Store,
-    key: &str,
-) -> tokio::task::JoinHandle<Result<Claim, StoreError>> {
-    let taking_back = tokio::spawn({
-        let (store, key) = (store.clone(), key.to_owned());
-        async move { store.claim(&request(&key)).await }
-    });
-    let observer = test_store.postgres().await;
-    until_waiting_on_locks(&observer, 1).await;
-    taking_back
-}
-
 /// Locks the row of `src`/`key` in a transaction left open.
 async fn lock_key<'a>(
     client: &'a mut tokio_postgres::Client,
@@ -996,38 +1072,72 @@ async fn claim_behind_uncommitted_insert<'a>(
     (insert, claim)
 }
 
-/// What a lock-order test batches: a claim or a settle of one key (by the
-/// fence of its first claim), answering whether it took effect.
+/// What a write-order test batches: a claim or a settle of one key (by the
+/// fence of its first claim, where it has one), answering whether it took
+/// effect.
 type KeyOperation =
-    fn(Store, &'static str, Fence) -> futures_util::future::BoxFuture<'static, bool>;
+    fn(Store, &'static str, Option<Fence>) -> futures_util::future::BoxFuture<'static, bool>;
 
-/// A batch locks its rows in key order, whatever order its requests were
+/// How a write-order test holds a key's row in a transaction of its own: a
+/// settle waits on a row locked, a claim of a new key on a row inserted and
+/// not yet committed.
+#[derive(Clone, Copy)]
+enum Hold {
+    Locked,
+    Inserted,
+}
+
+impl Hold {
+    async fn row(
+        self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        key: &str,
+    ) -> Result<u64, tokio_postgres::Error> {
+        let statement = match self {
+            Hold::Locked => {
+                "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id = $1 FOR UPDATE"
+            }
+            Hold::Inserted => {
+                "INSERT INTO processed_events (source, event_id, status, lease_expires_at)
+                 VALUES ('src', $1, 'processing', now() + interval '1 minute')"
+            }
+        };
+        transaction.execute(statement, &[&key]).await
+    }
+}
+
+/// A batch writes its rows in key order, whatever order its requests were
 /// queued in: while it waits for the first key, held by another
-/// transaction, that transaction can still lock the second. Locked in queue
-/// order instead, the batch would hold the second key while waiting for the
-/// first, and two such batches (two replicas, or one replica's two batches
-/// in flight) would deadlock, each deadlock costing the server's
-/// `deadlock_timeout` before it refused one of them.
-async fn a_batch_locks_its_rows_in_key_order(keys_failed: bool, operation: KeyOperation) {
-    let test_store = TestStore::new(Backend::Postgres).await;
-    let (store, fences) = store_with_four_keys(&test_store, keys_failed).await;
-    let operation = move |store, key| operation(store, key, fences[key]);
-    let lock = "SELECT 1 FROM processed_events WHERE source = 'src' AND event_id = $1 FOR UPDATE";
+/// transaction, that transaction can still write the second. Written in
+/// queue order instead, the batch would hold the second key while waiting
+/// for the first, and two such batches (two replicas, or one replica's two
+/// batches in flight) would deadlock, each deadlock costing the server's
+/// `deadlock_timeout` before it refused one of them. `effect` is whether
+/// the operations take effect once the holding transaction commits.
+async fn a_batch_writes_its_rows_in_key_order(
+    hold: Hold,
+    fences: HashMap<String, Fence>,
+    store: Store,
+    test_store: &TestStore,
+    operation: KeyOperation,
+    effect: bool,
+) {
+    let operation = move |store, key: &'static str| operation(store, key, fences.get(key).copied());
     let observer = test_store.postgres().await;
 
     // Both batches in flight wait on rows held here, so `b` and `a`, queued
     // behind them in that order, go out together as one batch.
     let mut holder_cd = test_store.postgres().await;
     let hold_cd = holder_cd.transaction().await.unwrap();
-    hold_cd.execute(lock, &[&"c"]).await.unwrap();
-    hold_cd.execute(lock, &[&"d"]).await.unwrap();
+    hold.row(&hold_cd, "c").await.unwrap();
+    hold.row(&hold_cd, "d").await.unwrap();
     let c = tokio::spawn(operation(store.clone(), "c"));
     until_waiting_on_locks(&observer, 1).await;
     let d = tokio::spawn(operation(store.clone(), "d"));
     until_waiting_on_locks(&observer, 2).await;
     let mut holder_a = test_store.postgres().await;
     let hold_a = holder_a.transaction().await.unwrap();
-    hold_a.execute(lock, &[&"a"]).await.unwrap();
+    hold.row(&hold_a, "a").await.unwrap();
     let b_then_a =
         tokio::spawn(
             async move { tokio::join!(operation(store.clone(), "b"), operation(store, "a")) },
@@ -1036,7 +1146,7 @@ async fn a_batch_locks_its_rows_in_key_order(keys_failed: bool, operation: KeyOp
     // checked below shows whether they went out together.
     tokio::task::yield_now().await;
     hold_cd.commit().await.unwrap();
-    assert!(c.await.unwrap() && d.await.unwrap());
+    assert_eq!((c.await.unwrap(), d.await.unwrap()), (effect, effect));
 
     let waiting = until_waiting_on_locks(&observer, 1).await;
     assert!(
@@ -1050,34 +1160,23 @@ async fn a_batch_locks_its_rows_in_key_order(keys_failed: bool, operation: KeyOp
         .batch_execute("SET LOCAL lock_timeout = '500ms'")
         .await
         .unwrap();
-    hold_a
-        .execute(lock, &[&"b"])
+    hold.row(&hold_a, "b")
         .await
-        .expect("`b` is not locked while the batch waits for `a`");
+        .expect("`b` is not written while the batch waits for `a`");
     hold_a.commit().await.unwrap();
-    assert_eq!(b_then_a.await.unwrap(), (true, true));
+    assert_eq!(b_then_a.await.unwrap(), (effect, effect));
 }
 
-/// Four keys, `a` to `d`, each claimed once (`processing`, attempt 1), and
-/// released too (`failed`) when `failed` is set.
+/// Four keys, `a` to `d`, each claimed once (`processing`, attempt 1).
 ///
 /// The table is analyzed, as the proxy's is once it grows: without
 /// statistics PostgreSQL takes it for a large one and hashes the statement's
 /// input instead, and then the update follows the rows' places in the table,
 /// which the claims' batching left in no particular order, not the input's.
-async fn store_with_four_keys(
-    test_store: &TestStore,
-    failed: bool,
-) -> (Store, HashMap<String, Fence>) {
+async fn store_with_four_keys(test_store: &TestStore) -> (Store, HashMap<String, Fence>) {
     let store = open(&test_store.url).await;
     let keys: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
     let fences = first_fences(&store, &keys).await;
-    if failed {
-        for (key, fence) in &fences {
-            let released = store.settle("src", key, *fence, Settlement::RELEASED);
-            assert!(released.await.unwrap());
-        }
-    }
     let client = test_store.postgres().await;
     client
         .batch_execute("ANALYZE processed_events")
@@ -1086,35 +1185,45 @@ async fn store_with_four_keys(
     (store, fences)
 }
 
+/// Claims of new keys, which another replica inserts meanwhile and which
+/// the claims therefore lose.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_batch_takes_back_failed_keys_in_key_order() {
-    a_batch_locks_its_rows_in_key_order(true, |store, key, _| {
+async fn a_claim_batch_inserts_its_keys_in_key_order() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open(&test_store.url).await;
+    let claim: KeyOperation = |store, key, _| {
         Box::pin(async move {
             let claim = store.claim(&request(key)).await;
-            matches!(
-                claim,
-                Ok(Claim::Won {
-                    fence: Fence { attempt: 2, .. },
-                    ..
-                })
-            )
+            matches!(claim, Ok(Claim::Won { .. }))
         })
-    })
+    };
+    a_batch_writes_its_rows_in_key_order(
+        Hold::Inserted,
+        HashMap::new(),
+        store,
+        &test_store,
+        claim,
+        false,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_batch_writes_its_keys_in_key_order() {
-    a_batch_locks_its_rows_in_key_order(false, |store, key, fence| {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let (store, fences) = store_with_four_keys(&test_store).await;
+    let settle: KeyOperation = |store, key, fence| {
         Box::pin(async move {
             let done = Settlement {
                 status: SettledStatus::Done,
                 response_status: Some(200),
             };
+            let fence = fence.expect("each key has its first claim's fence");
             store.settle("src", key, fence, done).await.unwrap()
         })
-    })
-    .await;
+    };
+    a_batch_writes_its_rows_in_key_order(Hold::Locked, fences, store, &test_store, settle, true)
+        .await;
 }
 
 /// Planned against an empty table, the claim and settle statements would

@@ -253,8 +253,7 @@ impl BatchRunner {
     ///
     /// A round goes out in key order (byte order, as claims lock theirs):
     /// the statement locks rows in the order of its input, so two batches
-    /// sharing keys, or a settle and a claim taking back the same expired
-    /// keys, wait on each other instead of deadlocking. (That is the plan of
+    /// sharing keys wait on each other instead of deadlocking. (That is the plan of
     /// an analyzed table, an index lookup per input row. A table too young
     /// to have been analyzed may be joined by hash, in the heap's order; a
     /// deadlock then costs the server's `deadlock_timeout` and a rerun.) Sorting here, not
@@ -949,11 +948,12 @@ mod tests {
     }
 
     /// A claim batch that found a key failed takes it back in a statement
-    /// of its own, which waits on the row another transaction holds; the
-    /// batch's other keys were decided by the claim statement, and are
-    /// answered without waiting for it.
+    /// of its own, a write, whose commit may be slow (here a trigger makes
+    /// it wait on a lock another session holds); the batch's other keys
+    /// were decided by the claim statement, and are answered without
+    /// waiting for it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn keys_a_claim_batch_has_decided_are_answered_before_its_take_back_waits() {
+    async fn keys_a_claim_batch_has_decided_are_answered_before_its_take_back_commits() {
         let scratch = Scratch::new("read committed").await;
         scratch
             .client
@@ -963,7 +963,18 @@ mod tests {
             ))
             .await
             .unwrap();
-        let holder = scratch.hold("gone").await;
+        let holder = connect(&scratch.url).await;
+        holder
+            .batch_execute(&format!(
+                "CREATE FUNCTION {table}_stall() RETURNS trigger LANGUAGE plpgsql
+                   AS $$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('{table}')); RETURN NEW; END $$;
+                 CREATE TRIGGER stall BEFORE UPDATE ON {table} FOR EACH ROW
+                   WHEN (OLD.event_id = 'gone') EXECUTE FUNCTION {table}_stall();
+                 SELECT pg_advisory_lock(hashtext('{table}'))",
+                table = scratch.table
+            ))
+            .await
+            .unwrap();
         let request = |key: &str| ClaimRequest {
             source: "orders".into(),
             key: key.into(),
@@ -996,9 +1007,15 @@ mod tests {
             "{new:?}"
         );
         assert_eq!(scratch.status("new").await, "processing", "committed");
-        assert!(!batch.is_finished(), "the take-back still waits on gone");
+        assert!(!batch.is_finished(), "the take-back still waits");
 
-        holder.batch_execute("COMMIT").await.unwrap();
+        holder
+            .batch_execute(&format!(
+                "SELECT pg_advisory_unlock(hashtext('{}'))",
+                scratch.table
+            ))
+            .await
+            .unwrap();
         let outcomes = batch.await.unwrap();
         assert!(
             matches!(
@@ -1015,6 +1032,10 @@ mod tests {
             "gone's claim had no reply early"
         );
         scratch.drop_table().await;
+        holder
+            .batch_execute(&format!("DROP FUNCTION {}_stall()", scratch.table))
+            .await
+            .unwrap();
     }
 
     #[test]

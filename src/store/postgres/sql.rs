@@ -175,8 +175,15 @@ impl Statements {
             // a key another replica took (or settled, or deleted) since the
             // claim read it is left alone, and its delivery is in flight, as
             // it would have been had the claim taken back its keys itself.
-            // Rows are locked in key order, for the reason new rows are
-            // inserted in it.
+            // So is a key whose row another transaction holds: a take-back
+            // elsewhere, a settle, a `keys` command, or a transaction someone
+            // left open. Its sender retries, and finds the row as that
+            // transaction leaves it. Waiting on the lock instead would hold a
+            // claim slot for as long as the row is held, and rows held long
+            // enough would hold every slot and with them every claim queued
+            // behind; it would also queue the take-back beside a settle
+            // waiting on the same row, to take the key first when it is let
+            // go. Waiting on no row lock, the take-back cannot deadlock either.
             retake: format!(
                 "WITH input AS (
                    {guarded_input}
@@ -186,8 +193,7 @@ impl Statements {
                      FROM input i
                      JOIN {table} e ON e.source = i.source AND e.event_id = i.event_id
                     WHERE {locked_takeable}
-                    ORDER BY e.source COLLATE \"C\", e.event_id COLLATE \"C\"
-                      FOR UPDATE OF e
+                      FOR UPDATE OF e SKIP LOCKED
                  )
                  UPDATE {table} AS e
                     SET status = 'processing', attempts = e.attempts + 1, claimed_at = now(),

@@ -83,9 +83,9 @@ impl BatchRunner {
     /// the claim statement; what happens to keys it found failed or expired
     /// (taken back by a statement of their own) cannot undo that, so the
     /// round's result is per key. Every other key is decided by then, and
-    /// passed to `decided_early` before the take-back, whose row locks may
-    /// wait on another transaction: a duplicate of a `done` key, or a new
-    /// key won, need not wait with it.
+    /// passed to `decided_early` before the take-back, a second round trip
+    /// and a commit that waits for a WAL flush: a duplicate of a `done` key,
+    /// or a new key won, need not wait for them.
     async fn claim_round(
         &self,
         requests: &[&ClaimRequest],
@@ -148,16 +148,13 @@ impl BatchRunner {
     }
 
     /// Takes back the keys the claim statement found failed or expired. A
-    /// key another replica took first stays in flight, as the claim found
-    /// it; a refused statement is retried key by key, so a key that cannot
-    /// be taken back fails alone.
+    /// key another replica took first, or whose row another transaction
+    /// holds, stays in flight (see `retake` in `Statements::new`); a refused
+    /// statement is retried key by key, so a key that cannot be taken back
+    /// fails alone.
     ///
-    /// So does a key this replica is already taking back in another batch:
-    /// at most one of the two could win, the other would be answered in
-    /// flight, and while the first waits on the row (locked by another
-    /// transaction, say) the second would only wait beside it, holding a
-    /// second of the few batches at the database and with them every claim
-    /// queued behind.
+    /// So does a key this replica is already taking back in another batch,
+    /// with no statement of its own: at most one of the two could win.
     async fn take_back(
         &self,
         requests: &[&ClaimRequest],
@@ -176,8 +173,10 @@ impl BatchRunner {
         if retakable.is_empty() {
             return;
         }
-        // Its row locks may wait on another transaction, and claims sent
-        // behind it would wait too: later batches go to another connection.
+        // It writes, and its commit waits for a WAL flush (for a synchronous
+        // standby, too, where there is one) that the read-only batches
+        // pipelined behind it need not wait for: later batches go to another
+        // connection.
         if let Some(connection) = &self.connection {
             self.session.withdraw(connection);
         }
