@@ -707,13 +707,21 @@ mod tests {
 
     impl Scratch {
         async fn new(isolation: &str) -> Self {
+            Self::with_settings(isolation, &[]).await
+        }
+
+        /// With server `settings` beside the isolation, for every connection.
+        async fn with_settings(isolation: &str, settings: &[(&str, &str)]) -> Self {
             let base = std::env::var("DATABASE_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
             let separator = if base.contains('?') { '&' } else { '?' };
-            // A space in a server option is escaped with a backslash.
-            let option = isolation.replace(' ', "%5C%20");
-            let url =
-                format!("{base}{separator}options=-c%20default_transaction_isolation%3D{option}");
+            let options: Vec<String> = [("default_transaction_isolation", isolation)]
+                .iter()
+                .chain(settings)
+                // A space in a server option is escaped with a backslash.
+                .map(|(name, value)| format!("-c%20{name}%3D{}", value.replace(' ', "%5C%20")))
+                .collect();
+            let url = format!("{base}{separator}options={}", options.join("%20"));
             let table = format!(
                 "scratch_claims_{}_{}",
                 std::process::id(),
@@ -910,6 +918,58 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_a_waiting_settle_has_not_reached_are_settled_beside_it_under_serializable() {
         keys_a_waiting_settle_has_not_reached_are_settled_beside_it("serializable").await;
+    }
+
+    /// A waiting settle statement the database refuses (here, for waiting
+    /// longer than `lock_timeout`) is run again key by key; the keys
+    /// settled beside it meanwhile keep their answers, and only the held
+    /// key fails.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiting_settle_the_database_refuses_keeps_what_was_settled_beside_it() {
+        let scratch = Scratch::with_settings("read committed", &[("lock_timeout", "2500ms")]).await;
+        let settle = scratch.processing(&["a", "b", "c", "d"]).await;
+        let holder = scratch.hold("b").await;
+        let (replies, mut receivers) = Replies::for_test(4);
+        // In queue order, not key order: replies go by queue position.
+        let batch = tokio::spawn(scratch.runner(Duration::from_millis(200)).settle_batch(
+            vec![
+                settle("d", 1, DONE),
+                settle("b", 1, DONE),
+                settle("a", 1, DONE),
+                settle("c", 1, DONE),
+            ],
+            Lane::Alone,
+            replies,
+        ));
+        for (position, key) in [(3, "c"), (0, "d")] {
+            let receiver = receivers.remove(position);
+            let early = tokio::time::timeout(Duration::from_secs(10), receiver)
+                .await
+                .unwrap_or_else(|_| panic!("{key}'s reply comes while b is held"))
+                .unwrap();
+            assert!(matches!(early, Ok(true)), "{key}: {early:?}");
+        }
+
+        let outcomes = tokio::time::timeout(Duration::from_secs(30), batch)
+            .await
+            .expect("refused by lock_timeout, then run key by key")
+            .unwrap();
+        assert!(
+            matches!(&outcomes[1], Err(StoreError::Refused(_))),
+            "{outcomes:?}"
+        );
+        for position in [0, 2, 3] {
+            assert!(matches!(outcomes[position], Ok(true)), "{outcomes:?}");
+        }
+        for mut receiver in receivers {
+            assert!(receiver.try_recv().is_err(), "a and b had no reply early");
+        }
+        for key in ["a", "c", "d"] {
+            assert_eq!(scratch.status(key).await, "done", "{key}");
+        }
+        holder.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(scratch.status("b").await, "processing");
+        scratch.drop_table().await;
     }
 
     /// Sent while every slot holds a stuck settle, a settle waits on no row
