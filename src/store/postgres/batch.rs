@@ -102,7 +102,8 @@ impl Batches {
         let pipelining = pool_size >= BATCHES_IN_FLIGHT + 2;
         let claim_limits = Limits {
             behind: if pipelining { CLAIMS_BEHIND } else { 0 },
-            // A claim is decided by a statement that may wait on a row lock.
+            // A claim's insert may wait on a row another transaction is
+            // inserting, and cannot skip it: the key is that row's to decide.
             unlocked: false,
             give_up_after: Some(claim_timeout),
             ..settle_limits
