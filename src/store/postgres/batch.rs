@@ -819,9 +819,65 @@ mod tests {
                 .get(0)
         }
 
+        /// Makes every update of `key`'s row wait, inside the statement,
+        /// until the returned session lets it go (`let_updates_go`): a
+        /// trigger that waits on an advisory lock that session holds.
+        async fn stall_updates_of(&self, key: &str) -> tokio_postgres::Client {
+            let holder = connect(&self.url).await;
+            holder
+                .batch_execute(&format!(
+                    "CREATE FUNCTION {table}_stall() RETURNS trigger LANGUAGE plpgsql
+                       AS $$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('{table}')); RETURN NEW; END $$;
+                     CREATE TRIGGER stall BEFORE UPDATE ON {table} FOR EACH ROW
+                       WHEN (OLD.event_id = '{key}') EXECUTE FUNCTION {table}_stall();
+                     SELECT pg_advisory_lock(hashtext('{table}'))",
+                    table = self.table
+                ))
+                .await
+                .unwrap();
+            holder
+        }
+
+        async fn let_updates_go(&self, holder: &tokio_postgres::Client) {
+            holder
+                .batch_execute(&format!(
+                    "SELECT pg_advisory_unlock(hashtext('{}'))",
+                    self.table
+                ))
+                .await
+                .unwrap();
+        }
+
+        /// The backend of a statement stalled by `stall_updates_of`.
+        async fn stalled_backend(&self) -> i32 {
+            let stalled = async {
+                loop {
+                    let pids = self
+                        .client
+                        .query(
+                            "SELECT pid FROM pg_stat_activity
+                              WHERE wait_event = 'advisory' AND strpos(query, $1) > 0",
+                            &[&self.table],
+                        )
+                        .await
+                        .unwrap();
+                    if let Some(row) = pids.first() {
+                        return row.get(0);
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(10), stalled)
+                .await
+                .expect("a statement stalls on the trigger")
+        }
+
         async fn drop_table(&self) {
             self.client
-                .batch_execute(&format!("DROP TABLE {}", self.table))
+                .batch_execute(&format!(
+                    "DROP TABLE {table}; DROP FUNCTION IF EXISTS {table}_stall()",
+                    table = self.table
+                ))
                 .await
                 .unwrap();
         }
@@ -973,6 +1029,53 @@ mod tests {
         scratch.drop_table().await;
     }
 
+    /// A settle beside a waiting statement whose connection is lost before
+    /// its answer comes may or may not have committed: its keys get no
+    /// early reply, and are left to the waiting statement (here the lost
+    /// one had not committed, and the waiting statement settles them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_of_a_settle_beside_whose_connection_is_lost_get_no_early_reply() {
+        let scratch = Scratch::new("read committed").await;
+        let settle = scratch.processing(&["a", "b", "d"]).await;
+        let stall = scratch.stall_updates_of("d").await;
+        let holder = scratch.hold("b").await;
+        let (replies, mut receivers) = Replies::for_test(3);
+        let batch = tokio::spawn(scratch.runner(Duration::from_millis(200)).settle_batch(
+            vec![
+                settle("a", 1, DONE),
+                settle("b", 1, DONE),
+                settle("d", 1, DONE),
+            ],
+            Lane::Alone,
+            replies,
+        ));
+        // The statement beside reaches `d` while the waiting one is held at `b`.
+        let beside = scratch.stalled_backend().await;
+        scratch
+            .client
+            .execute("SELECT pg_terminate_backend($1)", &[&beside])
+            .await
+            .unwrap();
+
+        scratch.let_updates_go(&stall).await;
+        holder.batch_execute("COMMIT").await.unwrap();
+        let outcomes = tokio::time::timeout(Duration::from_secs(10), batch)
+            .await
+            .expect("the waiting statement goes on once b is let go")
+            .unwrap();
+        assert!(
+            outcomes.iter().all(|outcome| matches!(outcome, Ok(true))),
+            "{outcomes:?}"
+        );
+        for mut receiver in receivers.drain(..) {
+            assert!(receiver.try_recv().is_err(), "no reply went early");
+        }
+        for key in ["a", "b", "d"] {
+            assert_eq!(scratch.status(key).await, "done", "{key}");
+        }
+        scratch.drop_table().await;
+    }
+
     /// Sent while every slot holds a stuck settle, a settle waits on no row
     /// lock: a key another transaction holds fails at once (to be retried
     /// in the background), the others are settled, and one this attempt no
@@ -1024,18 +1127,7 @@ mod tests {
             ))
             .await
             .unwrap();
-        let holder = connect(&scratch.url).await;
-        holder
-            .batch_execute(&format!(
-                "CREATE FUNCTION {table}_stall() RETURNS trigger LANGUAGE plpgsql
-                   AS $$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('{table}')); RETURN NEW; END $$;
-                 CREATE TRIGGER stall BEFORE UPDATE ON {table} FOR EACH ROW
-                   WHEN (OLD.event_id = 'gone') EXECUTE FUNCTION {table}_stall();
-                 SELECT pg_advisory_lock(hashtext('{table}'))",
-                table = scratch.table
-            ))
-            .await
-            .unwrap();
+        let holder = scratch.stall_updates_of("gone").await;
         let request = |key: &str| ClaimRequest {
             source: "orders".into(),
             key: key.into(),
@@ -1070,13 +1162,7 @@ mod tests {
         assert_eq!(scratch.status("new").await, "processing", "committed");
         assert!(!batch.is_finished(), "the take-back still waits");
 
-        holder
-            .batch_execute(&format!(
-                "SELECT pg_advisory_unlock(hashtext('{}'))",
-                scratch.table
-            ))
-            .await
-            .unwrap();
+        scratch.let_updates_go(&holder).await;
         let outcomes = batch.await.unwrap();
         assert!(
             matches!(
@@ -1093,10 +1179,6 @@ mod tests {
             "gone's claim had no reply early"
         );
         scratch.drop_table().await;
-        holder
-            .batch_execute(&format!("DROP FUNCTION {}_stall()", scratch.table))
-            .await
-            .unwrap();
     }
 
     #[test]
