@@ -629,7 +629,8 @@ impl<'a> SettleArrays<'a> {
 }
 
 /// The positions in a round named by `rows`' first column, the input's
-/// ordinal (from 1).
+/// ordinal (from 1), each with its row; a row naming no position in the
+/// round is skipped.
 fn ordinals(rows: &[Row], round: usize) -> impl Iterator<Item = (usize, &Row)> {
     rows.iter()
         .filter_map(|row| Some((usize::try_from(row.get::<_, i64>(0) - 1).ok()?, row)))

@@ -10,7 +10,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::super::Params;
-use super::{BatchRunner, Round, analyze, rounds};
+use super::{BatchRunner, Round, analyze, ordinals, rounds};
 use crate::store::coalesce::{Lane, Replies};
 use crate::store::{Claim, ClaimRequest, Fence, StoreError, WonFrom};
 
@@ -110,17 +110,14 @@ impl BatchRunner {
         let mut claims = vec![None; requests.len()];
         let mut unseen = Vec::new();
         let mut retakable = Vec::new();
-        for row in &rows {
-            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            if let Some(slot) = claims.get_mut(index) {
-                if lost_to_an_unseen_row(row) {
-                    unseen.push(index);
-                }
-                if row.get::<_, bool>(6) {
-                    retakable.push(index);
-                }
-                *slot = Some(Ok(claim_from_row(row, &requests[index].payload_sha256)));
+        for (index, row) in ordinals(&rows, requests.len()) {
+            if lost_to_an_unseen_row(row) {
+                unseen.push(index);
             }
+            if row.get::<_, bool>(6) {
+                retakable.push(index);
+            }
+            claims[index] = Some(Ok(claim_from_row(row, &requests[index].payload_sha256)));
         }
         if !unseen.is_empty() {
             self.recheck_lost(requests, &unseen, &mut claims).await;
@@ -201,22 +198,19 @@ impl BatchRunner {
         let columns = ClaimColumns::of(&requests);
         let rows = self.query(&self.sql.retake, &columns.params()).await?;
         let mut taken = vec![None; requests.len()];
-        for row in &rows {
-            let index = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            if let Some(slot) = taken.get_mut(index) {
-                let from = match row.get(3) {
-                    "processing" => WonFrom::ExpiredLease,
-                    _ => WonFrom::Failed,
-                };
-                *slot = Some(Claim::Won {
-                    fence: Fence {
-                        attempt: row.get(1),
-                        claimed_at: row.get(4),
-                    },
-                    from,
-                    payload_mismatch: differs(row.get(2), &requests[index].payload_sha256),
-                });
-            }
+        for (index, row) in ordinals(&rows, requests.len()) {
+            let from = match row.get(3) {
+                "processing" => WonFrom::ExpiredLease,
+                _ => WonFrom::Failed,
+            };
+            taken[index] = Some(Claim::Won {
+                fence: Fence {
+                    attempt: row.get(1),
+                    claimed_at: row.get(4),
+                },
+                from,
+                payload_mismatch: differs(row.get(2), &requests[index].payload_sha256),
+            });
         }
         Ok(taken)
     }
@@ -243,11 +237,8 @@ impl BatchRunner {
                 return;
             }
         };
-        for row in &rows {
-            let ord = usize::try_from(row.get::<_, i64>(0) - 1).unwrap_or(usize::MAX);
-            let Some(&index) = unseen.get(ord) else {
-                continue;
-            };
+        for (ord, row) in ordinals(&rows, unseen.len()) {
+            let index = unseen[ord];
             claims[index] = Some(Ok(lost_claim(
                 row.get(1),
                 row.get(3),
