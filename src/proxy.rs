@@ -192,14 +192,19 @@ impl Proxy {
             .map_or(UNMATCHED_ROUTE, |route| &*route.name);
         let malformed = malformation(&request);
         let version = request.version();
-        let answer = match Arc::clone(&self.concurrency).try_acquire_owned() {
-            _ if let Some(problem) = malformed => {
-                Answer::Rejected(Rejection::BadRequest(problem.into()))
-            }
-            _ if let Some(near_miss) = near_miss => {
-                Answer::Rejected(Rejection::BadRequest(near_miss.refusal(request.method())))
-            }
-            Err(_) => Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
+        let (answer, upstream_time) = match Arc::clone(&self.concurrency).try_acquire_owned() {
+            _ if let Some(problem) = malformed => (
+                Answer::Rejected(Rejection::BadRequest(problem.into())),
+                None,
+            ),
+            _ if let Some(near_miss) = near_miss => (
+                Answer::Rejected(Rejection::BadRequest(near_miss.refusal(request.method()))),
+                None,
+            ),
+            Err(_) => (
+                Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
+                None,
+            ),
             // Boxed: hyper keeps one slot per connection for this future from
             // the connection's first request to its close, so what it holds
             // inline is memory every idle keep-alive connection pays for.
@@ -218,10 +223,14 @@ impl Proxy {
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },
         };
+        let trace = Trace {
+            upstream_time,
+            ..Trace::default()
+        };
         self.record(
             route.is_some() || near_miss.is_some(),
             route_name,
-            &Trace::default(),
+            &trace,
             &answer,
             started,
         );
@@ -237,23 +246,33 @@ impl Proxy {
         log_request(webhook, route, trace, answer, started);
     }
 
-    async fn unmatched(&self, request: Request<Incoming>, peer: Peer, started: Instant) -> Answer {
+    /// The answer, and how long the upstream took when it was asked.
+    async fn unmatched(
+        &self,
+        request: Request<Incoming>,
+        peer: Peer,
+        started: Instant,
+    ) -> (Answer, Option<Duration>) {
         if self.settings.unmatched == Unmatched::Reject {
-            return Answer::Rejected(Rejection::NoRoute);
+            return (Answer::Rejected(Rejection::NoRoute), None);
         }
         let (parts, body) = request.into_parts();
         let body = StreamedBody::new(body, started, self.settings.body_read_timeout);
         let sent_at = Instant::now();
-        let result = match self.upstream.send(parts, body.boxed(), peer, None).await {
-            Err(UpstreamError::SenderBody(fault)) => return Answer::Rejected(fault.into()),
-            result => result,
+        let result = self.upstream.send(parts, body.boxed(), peer, None).await;
+        let upstream_time = sent_at.elapsed();
+        let answer = match result {
+            Err(UpstreamError::SenderBody(fault)) => Answer::Rejected(fault.into()),
+            result => {
+                self.unmatched_upstream
+                    .observe(class_of(&result), upstream_time);
+                match result {
+                    Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
+                    Err(error) => Answer::UpstreamError(error),
+                }
+            }
         };
-        self.unmatched_upstream
-            .observe(class_of(&result), sent_at.elapsed());
-        match result {
-            Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
-            Err(error) => Answer::UpstreamError(error),
-        }
+        (answer, Some(upstream_time))
     }
 
     /// Reads a webhook, then runs the rest detached: once the store has been

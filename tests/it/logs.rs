@@ -103,25 +103,48 @@ async fn a_webhook_forwarded_without_a_claim_logs_its_upstream_time() {
     );
     let mut proxy = ProxyProcess::start(&config).await;
     proxy.wait_ready().await;
-    let request = Request::post(format!("http://{}/hooks/orders", proxy.addr))
+    let passed = only_webhook_line(&mut proxy, "/hooks/orders").await;
+    assert_eq!(passed["outcome"], "passthrough");
+    assert_eq!(passed["upstream_status"], 200);
+    let upstream_ms = passed["upstream_ms"].as_f64();
+    assert!(upstream_ms.is_some_and(|ms| ms >= 0.0), "{passed}");
+    assert_eq!(upstream.count(), 1);
+}
+
+/// An unmatched request's line (at debug) carries the upstream's time too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmatched_request_logs_its_upstream_time_at_debug() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let config = config(&upstream, &store.url, "");
+    let mut proxy = ProxyProcess::start_with_log_filter(&config, "info,dedupe_proxy=debug").await;
+    proxy.wait_ready().await;
+    let passed = only_webhook_line(&mut proxy, "/elsewhere").await;
+    assert_eq!(passed["route"], "unmatched");
+    assert_eq!(passed["level"], "DEBUG", "{passed}");
+    assert_eq!(passed["upstream_status"], 200);
+    let upstream_ms = passed["upstream_ms"].as_f64();
+    assert!(upstream_ms.is_some_and(|ms| ms >= 0.0), "{passed}");
+    assert_eq!(upstream.count(), 1);
+}
+
+/// Posts `{}` to `path`, expects it passed through, stops the proxy and
+/// returns the one `webhook` line it logged.
+async fn only_webhook_line(proxy: &mut ProxyProcess, path: &str) -> Value {
+    let request = Request::post(format!("http://{}{path}", proxy.addr))
         .body(Full::new(Bytes::from_static(b"{}")))
         .unwrap();
     let response = TestResponse::read(client().request(request).await.expect("proxy answers"));
     assert_eq!(response.await.outcome(), "passthrough");
     proxy.terminate();
     let lines = proxy.all_log_lines().await;
-    let webhooks: Vec<Value> = lines
+    let mut webhooks: Vec<Value> = lines
         .iter()
         .filter_map(|line| serde_json::from_str::<Value>(line).ok())
         .filter(|event| event["message"] == "webhook")
         .collect();
     assert_eq!(webhooks.len(), 1, "{lines:#?}");
-    let passed = &webhooks[0];
-    assert_eq!(passed["outcome"], "passthrough");
-    assert_eq!(passed["upstream_status"], 200);
-    let upstream_ms = passed["upstream_ms"].as_f64();
-    assert!(upstream_ms.is_some_and(|ms| ms >= 0.0), "{passed}");
-    assert_eq!(upstream.count(), 1);
+    webhooks.remove(0)
 }
 
 /// A request still at the upstream when the grace period ends never gets
