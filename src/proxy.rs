@@ -261,16 +261,17 @@ impl Proxy {
         let sent_at = Instant::now();
         let result = self.upstream.send(parts, body.boxed(), peer, None).await;
         let upstream_time = sent_at.elapsed();
-        let answer = match result {
-            Err(UpstreamError::SenderBody(fault)) => Answer::Rejected(fault.into()),
-            result => {
-                self.unmatched_upstream
-                    .observe(class_of(&result), upstream_time);
-                match result {
-                    Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
-                    Err(error) => Answer::UpstreamError(error),
-                }
+        let result = match result {
+            Err(UpstreamError::SenderBody(fault)) => {
+                return (Answer::Rejected(fault.into()), Some(upstream_time));
             }
+            result => result,
+        };
+        self.unmatched_upstream
+            .observe(class_of(&result), upstream_time);
+        let answer = match result {
+            Ok(response) => Answer::Passthrough(response, PassReason::NotDeduplicated),
+            Err(error) => Answer::UpstreamError(error),
         };
         (answer, Some(upstream_time))
     }

@@ -254,15 +254,16 @@ impl BatchRunner {
     ///
     /// A round goes out in key order (byte order, as claims lock theirs):
     /// the statement locks rows in the order of its input, so two batches
-    /// sharing keys wait on each other instead of deadlocking. (That is the plan of
-    /// an analyzed table, an index lookup per input row. A table too young
-    /// to have been analyzed may be joined by hash, in the heap's order; a
-    /// deadlock then costs the server's `deadlock_timeout` and a rerun.) Sorting here, not
-    /// in the statement, costs the database nothing: a locking sort there
-    /// would write a lock record for every row it then updates anyway.
+    /// sharing keys wait on each other instead of deadlocking. (That is the
+    /// plan of an analyzed table, an index lookup per input row. A table too
+    /// young to have been analyzed may be joined by hash, in the heap's
+    /// order; a deadlock then costs the server's `deadlock_timeout` and a
+    /// rerun.) Sorting here, not in the statement, costs the database
+    /// nothing: a locking sort there would write a lock record for every row
+    /// it then updates anyway.
     ///
-    /// A batch sent while every slot holds a stuck one
-    /// ([`Lane::Unlocked`]) waits on no row lock: see `settle_without_waiting`.
+    /// A batch sent while every slot holds a stuck one ([`Lane::Unlocked`])
+    /// waits on no row lock: see `settle_without_waiting`.
     async fn settle_batch(
         self,
         requests: Vec<SettleRequest>,
