@@ -22,6 +22,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::task::TaskTracker;
 
 pub use answer::{Answer, Body, OUTCOME_HEADER, PassReason, Rejection, Unavailable};
 use forward::unclaimed_dedupe_headers;
@@ -48,6 +49,10 @@ pub struct Proxy {
     concurrency: Arc<Semaphore>,
     /// One permit per byte of request body held (`limits.max_buffered_body_bytes`).
     body_budget: Arc<Semaphore>,
+    /// The webhooks being processed: shutdown waits for them, as some have
+    /// no connection left that would (an HTTP/2 sender that reset its
+    /// stream or closed the connection while the upstream had the request).
+    webhooks: TaskTracker,
     settings: Settings,
 }
 
@@ -141,6 +146,7 @@ impl Proxy {
             open_claims: Arc::default(),
             concurrency: Arc::new(Semaphore::new(config.limits.max_concurrent_requests)),
             body_budget: Arc::new(Semaphore::new(config.limits.max_buffered_body_bytes)),
+            webhooks: TaskTracker::new(),
             settings: Settings {
                 max_body_bytes: config.limits.max_body_bytes,
                 max_key_bytes: config.limits.max_key_bytes,
@@ -162,6 +168,27 @@ impl Proxy {
     /// The store, for shutdown's final settles.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Waits until every webhook being processed has ended, or `deadline`.
+    /// Whether they all ended.
+    pub async fn finish_webhooks(&self, deadline: Instant) -> bool {
+        self.webhooks.close();
+        if self.webhooks.is_empty() {
+            return true;
+        }
+        // With time left, every connection has ended: what is still being
+        // processed has lost its sender.
+        if Instant::now() < deadline {
+            tracing::info!(
+                webhooks = self.webhooks.len(),
+                "shutdown waits for webhooks whose senders have gone"
+            );
+        }
+        let deadline = tokio::time::Instant::from_std(deadline);
+        tokio::time::timeout_at(deadline, self.webhooks.wait())
+            .await
+            .is_ok()
     }
 
     /// Counts a request that hyper answered itself before it reached
@@ -315,7 +342,7 @@ impl Proxy {
         // resident memory per idle keep-alive connection that had delivered
         // a webhook, and more CPU per request (bench/HISTORY.md).
         let processing = Box::pin(processing);
-        let task = tokio::spawn(async move {
+        let task = self.webhooks.spawn(async move {
             let _held = held;
             processing.await
         });

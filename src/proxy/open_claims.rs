@@ -185,7 +185,10 @@ impl OpenClaims {
     }
 
     /// Closes the registry and settles every open claim: its known outcome,
-    /// or released. A write the store fails is tried again, at most a second
+    /// or released. The writes go out together, each bounded by the store's
+    /// own timeout, so one try takes about that long however many claims are
+    /// open, and it is made even when the drain has used up the grace
+    /// period. A write the store fails is tried again, at most a second
     /// apart, until `deadline`; past it the claim is left to its lease.
     pub async fn settle_all(&self, store: &Store, deadline: Instant) -> FinalSettles {
         let mut pending = self.close();
@@ -193,16 +196,17 @@ impl OpenClaims {
         let (mut outcomes_written, mut released, mut already_settled) = (0, 0, 0);
         let mut delay = Duration::from_millis(100);
         loop {
-            let mut failed = Vec::new();
-            for claim in pending {
+            let settles = pending.iter().map(|claim| {
                 let settlement = claim.outcome.unwrap_or(Settlement::RELEASED);
-                match store
-                    .settle(&claim.source, &claim.key, claim.fence, settlement)
-                    .await
-                {
+                store.settle(&claim.source, &claim.key, claim.fence, settlement)
+            });
+            let results = futures_util::future::join_all(settles).await;
+            let mut failed = Vec::new();
+            for (claim, result) in pending.into_iter().zip(results) {
+                match (result, claim.outcome) {
                     // The request's own line is never logged when its sender's
                     // connection is cut at the deadline: this one names its key.
-                    Ok(true) if claim.outcome.is_none() => {
+                    (Ok(true), None) => {
                         released += 1;
                         tracing::warn!(
                             route = &*claim.source,
@@ -211,7 +215,7 @@ impl OpenClaims {
                             "released at shutdown before the upstream answered: the sender gets no answer, and its retry is forwarded again"
                         );
                     }
-                    Ok(true) => {
+                    (Ok(true), Some(settlement)) => {
                         outcomes_written += 1;
                         tracing::info!(
                             route = &*claim.source,
@@ -223,8 +227,8 @@ impl OpenClaims {
                         );
                     }
                     // Written by an earlier try, or taken over: nothing left.
-                    Ok(false) => already_settled += 1,
-                    Err(error) => failed.push((claim, error)),
+                    (Ok(false), _) => already_settled += 1,
+                    (Err(error), _) => failed.push((claim, error)),
                 }
             }
             if failed.is_empty() || Instant::now() + delay >= deadline {

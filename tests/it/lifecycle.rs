@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cli::{ProxyProcess, process_config};
 use crate::on_both_stores;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -280,7 +281,7 @@ async fn a_claim_abandoned_by_a_killed_proxy_is_reclaimed_after_its_lease_and_no
     let upstream = Upstream::start().await;
     upstream.script("evt_crash", [Behavior::Hang]);
     let lease = Duration::from_secs(4);
-    let mut proxy = crate::cli::ProxyProcess::start(&format!(
+    let mut proxy = ProxyProcess::start(&format!(
         "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: \"{}\", timeout: 3s }}\nstore: {{ url: \"{}\", lease: 4s }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
         upstream.url(),
         store.url
@@ -816,6 +817,42 @@ async fn a_cancelled_http2_stream_keeps_its_place_under_the_concurrency_limit() 
     assert_eq!(next.outcome(), "forwarded", "{next:?}");
 }
 
+/// An HTTP/2 sender that cancels its stream leaves no connection waiting for
+/// its delivery; shutdown still waits for it within the grace period, so the
+/// application's answer is written rather than the claim released (its
+/// retry would be forwarded again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_a_delivery_whose_http2_sender_has_gone() {
+    let store = Arc::new(TestStore::new(Backend::Sqlite).await);
+    let upstream = Upstream::start().await;
+    let gate = Gate::new();
+    upstream.script("evt_gone", [Behavior::Gate(Arc::clone(&gate))]);
+    let config = process_config(&upstream, &store.url, "shutdown_grace: 20s\n");
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let mut sender = crate::support::http2_sender(tcp).await;
+    let stream = tokio::spawn(async move {
+        crate::support::send_http2(&mut sender, "/hooks/orders", "evt_gone").await
+    });
+    upstream.wait_for(1).await;
+    stream.abort();
+    assert!(stream.await.unwrap_err().is_cancelled());
+    proxy.terminate();
+    proxy
+        .wait_for_log("shutdown waits for webhooks whose senders have gone")
+        .await;
+    gate.open();
+    assert!(proxy.wait().await.success());
+    let after = TestApp::spawn_on(store, Upstream::start().await, |_| {}).await;
+    assert_eq!(
+        after.deliver("evt_gone", "{}").await.outcome(),
+        "duplicate",
+        "the application's answer was written before exit"
+    );
+    assert_eq!(upstream.count(), 1);
+}
+
 /// Delivers `key` again until it is answered `duplicate` (its outcome was
 /// written), every answer before that being `in-flight`, never forwarded.
 async fn redelivered_until_duplicate(app: &TestApp, key: &str) {
@@ -945,6 +982,51 @@ async fn shutdown_keeps_trying_to_write_known_outcomes_until_the_grace_ends() {
         "duplicate",
         "the outcome was written before exit"
     );
+}
+
+/// Shutdown's final writes go out together, each bounded by
+/// `store.timeout`: with a store that has stopped answering, the process
+/// ends about one `store.timeout` after the grace period however many claims
+/// are open, not one per claim (here 10 x 4 s, past `TestApp::shutdown`'s
+/// bound). The claims are left to their leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_the_store_hung_ends_one_store_timeout_after_the_grace() {
+    const OPEN: usize = 10;
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let relay = Relay::start(store.postgres_addr(), true).await;
+    let url = store.url_via(relay.addr);
+    let mut app = TestApp::spawn_on(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.url = url;
+        config.store.timeout = Duration::from_secs(4);
+        config.shutdown_grace = Duration::from_millis(200);
+    })
+    .await;
+    let mut senders = Vec::new();
+    for n in 0..OPEN {
+        let key = format!("evt_open_{n}");
+        app.upstream.script(&key, [Behavior::Hang]);
+        let addr = app.addr;
+        senders.push(tokio::spawn(async move {
+            crate::cli::send_webhook(addr, &key, "{}".into()).await
+        }));
+    }
+    app.upstream.wait_for(OPEN).await;
+    relay.freeze();
+    app.shutdown().await;
+    let processing = store
+        .postgres()
+        .await
+        .query_one(
+            "SELECT count(*) FROM processed_events WHERE status = 'processing'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0);
+    assert_eq!(processing, OPEN as i64, "left to their leases");
+    for sender in senders {
+        assert!(sender.await.unwrap().is_err(), "no answer after the grace");
+    }
 }
 
 /// A request still sending its body when the grace period ends is claimed

@@ -482,6 +482,7 @@ async fn respond(
 pub struct Relay {
     pub addr: SocketAddr,
     up: watch::Sender<bool>,
+    frozen: watch::Sender<bool>,
     open_connections: Arc<AtomicU64>,
     refused: watch::Sender<u64>,
 }
@@ -492,6 +493,8 @@ impl Relay {
         let addr = listener.local_addr().unwrap();
         let up = watch::Sender::new(up);
         let state = up.subscribe();
+        let frozen = watch::Sender::new(false);
+        let freezing = frozen.subscribe();
         let open_connections = Arc::new(AtomicU64::new(0));
         let open = Arc::clone(&open_connections);
         let refused = watch::Sender::new(0);
@@ -502,6 +505,7 @@ impl Relay {
                     continue;
                 };
                 let mut state = state.clone();
+                let mut freezing = freezing.clone();
                 if !*state.borrow_and_update() {
                     drop(inbound);
                     refusals.send_modify(|count| *count += 1);
@@ -511,9 +515,14 @@ impl Relay {
                 let open = Arc::clone(&open);
                 tokio::spawn(async move {
                     if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
-                        tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                            _ = state.wait_for(|up| !*up) => {}
+                        let frozen = tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => false,
+                            _ = state.wait_for(|up| !*up) => false,
+                            _ = freezing.wait_for(|frozen| *frozen) => true,
+                        };
+                        if frozen {
+                            // Both ends stay open, and nothing passes.
+                            let _ = state.wait_for(|up| !*up).await;
                         }
                     }
                     open.fetch_sub(1, Ordering::SeqCst);
@@ -523,9 +532,16 @@ impl Relay {
         Self {
             addr,
             up,
+            frozen,
             open_connections,
             refused,
         }
+    }
+
+    /// The store stops answering: connections, open and new, stay open and
+    /// pass nothing, as with a database host that has hung.
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
     }
 
     /// Waits until a connection is refused while the relay is cut: someone
