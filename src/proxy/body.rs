@@ -70,15 +70,21 @@ impl Proxy {
     }
 
     /// Reads the body whole, up to `limit` bytes; the body is left where it
-    /// stopped.
+    /// stopped. What is held is charged to the buffered-body budget: a body
+    /// of one frame as it came, one of several copied into a single buffer
+    /// whose whole capacity is charged. Frames kept as they came would cost
+    /// far more than their bytes when small (a chunk of one byte, say), and
+    /// the budget would not bound the memory held.
     async fn collect(
         &self,
         body: &mut Incoming,
         limit: usize,
         budget: &mut Option<OwnedSemaphorePermit>,
     ) -> Result<Bytes, Refused> {
-        let mut chunks = Vec::new();
+        let mut first = None;
+        let mut joined = Vec::new();
         let mut read = 0;
+        let mut charged = 0;
         while let Some(frame) = body.frame().await {
             let Ok(chunk) = frame
                 .map_err(|error| Refused::Body(error.into()))?
@@ -90,21 +96,49 @@ impl Proxy {
             if read > limit {
                 return Err(Refused::TooLarge);
             }
-            let bytes = u32::try_from(chunk.len()).map_err(|_| Refused::Budget)?;
-            let taken = Arc::clone(&self.body_budget)
-                .try_acquire_many_owned(bytes)
-                .map_err(|_| Refused::Budget)?;
-            match budget {
-                Some(held) => held.merge(taken),
-                None => *budget = Some(taken),
+            let held = match first.take() {
+                None if joined.is_empty() => {
+                    let held = chunk.len();
+                    first = Some(chunk);
+                    held
+                }
+                earlier => {
+                    if joined.capacity() - joined.len() < chunk.len() {
+                        // Doubling keeps the copies few; the limit caps it.
+                        let wanted = (joined.capacity() * 2).max(read).min(limit);
+                        joined.reserve_exact(wanted - joined.len());
+                    }
+                    joined.extend_from_slice(&earlier.unwrap_or_default());
+                    joined.extend_from_slice(&chunk);
+                    joined.capacity()
+                }
+            };
+            if held > charged {
+                self.charge(held - charged, budget)?;
+                charged = held;
             }
-            chunks.push(chunk);
         }
-        Ok(match chunks.len() {
-            0 => Bytes::new(),
-            1 => chunks.pop().expect("one chunk"),
-            _ => Bytes::from(chunks.concat()),
+        Ok(match first {
+            Some(only) => only,
+            None => Bytes::from(joined),
         })
+    }
+
+    /// Takes `bytes` more from the buffered-body budget into `budget`.
+    fn charge(
+        &self,
+        bytes: usize,
+        budget: &mut Option<OwnedSemaphorePermit>,
+    ) -> Result<(), Refused> {
+        let bytes = u32::try_from(bytes).map_err(|_| Refused::Budget)?;
+        let taken = Arc::clone(&self.body_budget)
+            .try_acquire_many_owned(bytes)
+            .map_err(|_| Refused::Budget)?;
+        match budget {
+            Some(held) => held.merge(taken),
+            None => *budget = Some(taken),
+        }
+        Ok(())
     }
 }
 

@@ -60,7 +60,14 @@ impl Body for StreamedBody {
         let this = &mut *self;
         if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
             return Poll::Ready(frame.map(|frame| {
-                frame.map_err(|error| SenderBodyError::Unreadable(crate::error_chain(&error)))
+                let mut frame = frame
+                    .map_err(|error| SenderBodyError::Unreadable(crate::error_chain(&error)))?;
+                // An application that merges trailers into the head would
+                // otherwise take forged ones for the proxy's.
+                if let Some(trailers) = frame.trailers_mut() {
+                    super::strip_dedupe_headers(trailers);
+                }
+                Ok(frame)
             }));
         }
         let deadline = this.deadline;

@@ -180,6 +180,19 @@ impl ProxyProcess {
         assert!(status.success());
     }
 
+    /// The process's resident memory, from `/proc`.
+    pub fn resident_bytes(&self) -> u64 {
+        let pid = self.child.id().expect("running");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|value| value.trim().strip_suffix("kB"))
+            .and_then(|value| value.trim().parse().ok())
+            .expect("VmRSS in kB");
+        kib * 1024
+    }
+
     /// Waits for a log line containing `text`.
     pub async fn wait_for_log(&self, text: &str) {
         let mut logs = self.logs.subscribe();

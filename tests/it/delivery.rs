@@ -504,6 +504,31 @@ async fn missing_key_can_be_forwarded_without_dedupe(backend: Backend) {
     assert_eq!(app.upstream.seen()[0].header("x-dedupe-key"), None);
 }
 
+/// `X-Dedupe-*` fields sent as trailers are stripped as header fields are:
+/// an application that merges trailers into the head would otherwise take
+/// them for the proxy's. Other trailers pass.
+#[tokio::test]
+async fn forged_dedupe_trailers_are_stripped_from_unmatched_requests() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let mut stream = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /other HTTP/1.1\r\nhost: proxy\r\ntransfer-encoding: chunked\r\n\
+              trailer: x-dedupe-key, x-other\r\nconnection: close\r\n\r\n\
+              2\r\nhi\r\n0\r\nx-dedupe-key: forged\r\nx-other: kept\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let seen = &app.upstream.seen()[0];
+    assert_eq!(&seen.body[..], b"hi");
+    let trailers = seen.trailers.as_ref().expect("trailers passed on");
+    assert_eq!(trailers.get("x-other").unwrap(), "kept");
+    assert_eq!(trailers.get("x-dedupe-key"), None);
+}
+
 /// The upstream URL's path is put before the request's path, and an HTTP/1.0
 /// request that came without `Host` reaches the upstream with its host.
 #[tokio::test]

@@ -773,3 +773,57 @@ async fn a_response_body_that_stalls_is_cut_off_after_the_upstream_timeout() {
     let again = app.deliver("evt_stall", "{}").await;
     assert_eq!(again.outcome(), "duplicate");
 }
+
+/// A body sent a byte a chunk is held in one buffer, charged whole to
+/// `limits.max_buffered_body_bytes`, not as a piece per chunk (each costing
+/// tens of bytes more than the byte it holds): bodies that fill the budget
+/// that way grow the process by about the budget, not by many times it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_sent_a_byte_a_chunk_cost_about_their_size() {
+    const BODY: usize = 256 * 1024;
+    const SENDERS: usize = 4;
+    let store = crate::support::TestStore::new(Backend::Sqlite).await;
+    let upstream = crate::support::Upstream::start().await;
+    let limits = format!(
+        "limits: {{ max_body_bytes: {BODY}, max_buffered_body_bytes: {} }}\n",
+        BODY * SENDERS
+    );
+    let config = crate::cli::process_config(&upstream, &store.url, &limits);
+    let proxy = crate::cli::ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    let warm_up = crate::cli::post_webhook(proxy.addr, "evt_warm_up", "{}".into()).await;
+    assert_eq!(warm_up.outcome(), "forwarded");
+    let before = proxy.resident_bytes();
+    let mut senders = Vec::new();
+    for n in 0..SENDERS {
+        let mut sender = TcpStream::connect(proxy.addr).await.unwrap();
+        let head = format!(
+            "POST /hooks/orders HTTP/1.1\r\nhost: proxy\r\nx-event-id: evt_drip_{n}\r\ntransfer-encoding: chunked\r\n\r\n"
+        );
+        sender.write_all(head.as_bytes()).await.unwrap();
+        // The last chunk never comes: the body stays held.
+        sender.write_all(&b"1\r\nx\r\n".repeat(BODY)).await.unwrap();
+        senders.push(sender);
+    }
+    // Once every byte sent has been read, the budget is full and a body of
+    // one more byte is refused.
+    let full = async {
+        loop {
+            let probe = crate::cli::post_webhook(proxy.addr, "evt_probe", "x".into()).await;
+            if probe.status == 503 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), full)
+        .await
+        .expect("the budget fills");
+    let grown = proxy.resident_bytes().saturating_sub(before);
+    assert!(
+        grown < 16 << 20,
+        "{grown} bytes more resident to hold {} bytes of bodies",
+        BODY * SENDERS
+    );
+    drop(senders);
+}

@@ -297,6 +297,7 @@ pub struct Seen {
     pub uri: http::Uri,
     pub headers: HeaderMap,
     pub body: Bytes,
+    pub trailers: Option<HeaderMap>,
 }
 
 impl Seen {
@@ -433,11 +434,13 @@ async fn respond(
     request: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let (parts, body) = request.into_parts();
-    let body = body
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    let (body, trailers) = match body.collect().await {
+        Ok(collected) => {
+            let trailers = collected.trailers().cloned();
+            (collected.to_bytes(), trailers)
+        }
+        Err(_) => (Bytes::new(), None),
+    };
     let key = parts
         .headers
         .get("x-dedupe-key")
@@ -448,6 +451,7 @@ async fn respond(
         uri: parts.uri.clone(),
         headers: parts.headers.clone(),
         body: body.clone(),
+        trailers,
     });
     state.arrived.notify_waiters();
     let behavior = state
