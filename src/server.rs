@@ -18,6 +18,7 @@ mod http2_connection;
 mod sender_stall;
 mod serving;
 mod timer;
+mod write_stall;
 
 use serving::{ServingThreads, Webhooks};
 

@@ -41,6 +41,7 @@ use tokio_util::task::TaskTracker;
 
 use super::http2_connection::{Counted, OpenRequests, serve_http2};
 use super::timer::ConnectionTimer;
+use super::write_stall::StalledWrites;
 use crate::proxy::{Body, Proxy};
 use crate::upstream::Peer;
 
@@ -273,6 +274,7 @@ async fn serve(
                     tracing::debug!(%addr, "no request began within the header read timeout");
                     return;
                 };
+                let stream = StalledWrites::new(stream, upstream_timeout);
                 http.serve(TokioIo::new(stream), protocol, service, &closing, &counter)
                     .await;
                 drop(counted);
@@ -280,6 +282,7 @@ async fn serve(
             Some(acceptor) => connections.spawn(async move {
                 // The handshake is the connection's first bytes, bounded as
                 // they are without TLS.
+                let stream = StalledWrites::new(stream, upstream_timeout);
                 let handshake = tokio::time::timeout(header_read_timeout, acceptor.accept(stream));
                 let Some(handshake) = closing.token.run_until_cancelled(handshake).await else {
                     return;

@@ -676,15 +676,18 @@ async fn raw_upstream(answer: &'static [u8]) -> std::net::SocketAddr {
     addr
 }
 
-/// An HTTP/2 sender that takes nothing of a response (its stream's
-/// flow-control window left at zero) has it cut off after
-/// `upstream.timeout`, so the upstream connection the response came on is
-/// closed instead of being held for as long as the sender stays connected.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_http2_sender_that_takes_nothing_of_a_response_frees_its_upstream_connection() {
+/// An upstream that takes one connection, reads a request head from it and
+/// hands it to `answer`; the receiver hears when `answer` is done.
+async fn answering_once<Answer, Answered>(
+    answer: Answer,
+) -> (std::net::SocketAddr, tokio::sync::oneshot::Receiver<()>)
+where
+    Answer: FnOnce(TcpStream) -> Answered + Send + 'static,
+    Answered: Future<Output = ()> + Send,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_addr = listener.local_addr().unwrap();
-    let (closed_tx, closed) = tokio::sync::oneshot::channel();
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.unwrap();
         let mut head = Vec::new();
@@ -693,14 +696,70 @@ async fn an_http2_sender_that_takes_nothing_of_a_response_frees_its_upstream_con
             let n = stream.read(&mut buffer).await.unwrap();
             head.extend_from_slice(&buffer[..n]);
         }
+        answer(stream).await;
+        let _ = done_tx.send(());
+    });
+    (addr, done)
+}
+
+/// An HTTP/1 sender that stops reading has its connection closed once it
+/// has taken nothing for `upstream.timeout`, so the upstream connection its
+/// response comes on is closed too instead of being held (with the
+/// application's worker writing to it) for as long as the sender stays
+/// connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http1_sender_that_stops_reading_frees_its_upstream_connection() {
+    const LENGTH: usize = 256 << 20;
+    let (upstream_addr, closed) = answering_once(|mut stream| async move {
+        let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {LENGTH}\r\n\r\n");
+        stream.write_all(answer.as_bytes()).await.unwrap();
+        // Writes until the proxy's end of the connection closes; the body is
+        // far larger than every buffer on the way.
+        let piece = vec![b'x'; 64 << 10];
+        for _ in 0..LENGTH / piece.len() {
+            if stream.write_all(&piece).await.is_err() {
+                return;
+            }
+        }
+        panic!("the whole body was taken");
+    })
+    .await;
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("http://{upstream_addr}");
+        config.upstream.timeout = Duration::from_millis(300);
+    })
+    .await;
+    let mut sender = TcpStream::connect(app.addr).await.unwrap();
+    sender
+        .write_all(b"GET /download HTTP/1.1\r\nhost: proxy\r\n\r\n")
+        .await
+        .unwrap();
+    let mut first = [0u8; 64];
+    let read = sender.read(&mut first).await.unwrap();
+    assert!(first[..read].starts_with(b"HTTP/1.1 200"));
+    // The sender reads nothing more, and stays connected.
+    tokio::time::timeout(Duration::from_secs(20), closed)
+        .await
+        .expect("the upstream connection is closed")
+        .unwrap();
+    drop(sender);
+}
+
+/// An HTTP/2 sender that takes nothing of a response (its stream's
+/// flow-control window left at zero) has it cut off after
+/// `upstream.timeout`, so the upstream connection the response came on is
+/// closed instead of being held for as long as the sender stays connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_sender_that_takes_nothing_of_a_response_frees_its_upstream_connection() {
+    let (upstream_addr, closed) = answering_once(|mut stream| async move {
         stream
             .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
             .await
             .unwrap();
         // Whatever the proxy does next, its end of the connection closes.
-        let _ = stream.read(&mut buffer).await;
-        let _ = closed_tx.send(());
-    });
+        let _ = stream.read(&mut [0u8; 4096]).await;
+    })
+    .await;
     let app = TestApp::spawn(Backend::Sqlite, |config| {
         config.upstream.url = format!("http://{upstream_addr}");
         config.upstream.timeout = Duration::from_millis(300);
