@@ -29,7 +29,7 @@ use super::{
 };
 use crate::config::StoreConfig;
 use crate::error_chain;
-use batch::{Batches, Growth, SettleRequest, TakingBack};
+use batch::{Batches, Growth, HeldClaims, SettleRequest, TakingBack};
 use home::{Home, HomeConnect};
 use session::{Params, Session, instance};
 use shape::Shape;
@@ -84,6 +84,7 @@ impl PostgresStore {
                 instance: instance.clone(),
                 growth: Growth::new(),
                 taking_back: TakingBack::default(),
+                held_claims: HeldClaims::default(),
                 server: describe_server(&pg_config),
             }),
             sql: Arc::new(Statements::new(&config.table, &instance)),

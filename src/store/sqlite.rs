@@ -10,7 +10,7 @@ mod sql;
 
 use std::path::Path;
 use std::sync::{Arc, mpsc};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::oneshot;
@@ -49,6 +49,9 @@ pub struct SqliteStore {
     table: String,
     sql: Statements,
     keys: Arc<keys::Statements>,
+    /// `store.timeout`: a claim still queued this long after it was queued
+    /// has had its answer (503) and is not run.
+    give_up_after: Duration,
 }
 
 struct Prior {
@@ -118,6 +121,7 @@ impl SqliteStore {
             table: config.table.clone(),
             sql: Statements::new(&config.table),
             keys: Arc::new(keys::Statements::new(&config.table)),
+            give_up_after: config.timeout,
         })
     }
 
@@ -140,21 +144,39 @@ impl SqliteStore {
         &self,
         work: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {
-        self.queue_grouped(work)?.await.map_err(|_| stopped())?
+        self.queue_grouped(None, work)?
+            .await
+            .map_err(|_| stopped())?
     }
 
     /// Queues `work` for a group commit; its result arrives on the receiver
-    /// once durable, and the work is run even if the receiver is dropped
-    /// first.
+    /// once durable. The work is run even if the receiver is dropped first,
+    /// unless it is still queued `give_up_after` after it was queued: then
+    /// it is answered [`StoreError::Timeout`] and not run.
     fn queue_grouped<T: Send + 'static>(
         &self,
+        give_up_after: Option<Duration>,
         work: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<oneshot::Receiver<Result<T, StoreError>>, StoreError> {
         let (reply, result) = oneshot::channel();
+        let queued_at = Instant::now();
         let job = Job::Grouped(Box::new(move |connection| {
             let outcome = match connection {
-                Ok(connection) => in_savepoint(connection, work).map_err(sqlite_error),
                 Err(error) => Err(StoreError::Sqlite(format!("cannot begin: {error}"))),
+                Ok(_)
+                    if let Some(limit) =
+                        give_up_after.filter(|&limit| queued_at.elapsed() >= limit) =>
+                {
+                    Err(StoreError::Timeout(limit))
+                }
+                // SQLite rolls a whole transaction back on some errors (a
+                // full disk, an I/O error): run now, the work would be
+                // committed on its own, and then answered as failed with
+                // the rest of the group.
+                Ok(connection) if connection.is_autocommit() => Err(StoreError::Sqlite(
+                    "the group's transaction was rolled back by an earlier error".into(),
+                )),
+                Ok(connection) => in_savepoint(connection, work).map_err(sqlite_error),
             };
             Box::new(move |committed: Result<(), &str>| {
                 let answer = match committed {
@@ -330,7 +352,7 @@ impl Backend for SqliteStore {
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {
         let (prior_sql, claim_sql) = (self.sql.prior.clone(), self.sql.claim.clone());
         let request = request.clone();
-        self.queue_grouped(move |connection| {
+        self.queue_grouped(Some(self.give_up_after), move |connection| {
             let now = now_ms();
             let lease_ms = i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX);
             let source: &str = &request.source;
@@ -442,5 +464,88 @@ fn classify(won: Option<i32>, prior: Option<Prior>, payload_sha256: &[u8; 32], n
             payload_mismatch,
         },
         (None, _) => Claim::InFlight { payload_mismatch },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(dir: &tempfile::TempDir, timeout: Duration) -> SqliteStore {
+        let config = StoreConfig {
+            timeout,
+            ..StoreConfig::default()
+        };
+        let path = dir.path().join("dedupe.db");
+        SqliteStore::open(path.to_str().unwrap(), &config).unwrap()
+    }
+
+    fn claim(key: &str) -> ClaimRequest {
+        ClaimRequest {
+            source: Arc::from("orders"),
+            key: key.into(),
+            payload_sha256: [0; 32],
+            lease: Duration::from_secs(60),
+            reject_mismatch: false,
+        }
+    }
+
+    /// Keeps the store's thread busy until the sender is dropped, so that
+    /// what is queued meanwhile runs together afterwards.
+    fn hold_thread(store: &SqliteStore) -> mpsc::Sender<()> {
+        let (release, released) = mpsc::channel::<()>();
+        let hold = Job::Alone(Box::new(move |_| {
+            let _ = released.recv();
+        }));
+        assert!(store.jobs.send(hold).is_ok());
+        release
+    }
+
+    async fn rows(store: &SqliteStore) -> i64 {
+        store
+            .call(|connection| {
+                connection.query_row("SELECT count(*) FROM processed_events", [], |row| {
+                    row.get(0)
+                })
+            })
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_claim_still_queued_when_its_caller_has_given_up_is_not_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let give_up_after = Duration::from_millis(50);
+        let store = open(&dir, give_up_after);
+        store.migrate().await.unwrap();
+        let release = hold_thread(&store);
+        let pending = store.queue_claim(&claim("late")).unwrap();
+        // Past the point where its caller was answered 503.
+        tokio::time::sleep(give_up_after).await;
+        drop(release);
+        let answer = pending.await.unwrap();
+        assert!(
+            matches!(answer, Err(StoreError::Timeout(limit)) if limit == give_up_after),
+            "{answer:?}"
+        );
+        assert_eq!(rows(&store).await, 0);
+    }
+
+    #[tokio::test]
+    async fn work_queued_behind_a_rolled_back_group_is_not_committed_on_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(&dir, Duration::from_secs(10));
+        store.migrate().await.unwrap();
+        let release = hold_thread(&store);
+        // As SQLite does itself on some errors (a full disk, an I/O error).
+        let rolled_back = store
+            .queue_grouped(None, |connection| connection.execute_batch("ROLLBACK"))
+            .unwrap();
+        let after = store.queue_claim(&claim("after")).unwrap();
+        drop(release);
+        assert!(rolled_back.await.unwrap().is_err());
+        let answer = after.await.unwrap();
+        assert!(answer.is_err(), "{answer:?}");
+        assert_eq!(rows(&store).await, 0, "answered as failed, so not written");
     }
 }

@@ -640,6 +640,59 @@ async fn a_settle_waiting_on_a_locked_row_holds_up_no_other_keys_settle() {
     redelivered_until_duplicate(&app, "evt_locked").await;
 }
 
+/// A claim waiting on a row another transaction is inserting (an open
+/// transaction holds the key's insert) holds a claim slot, and its caller
+/// is answered 503 after `store.timeout`. The sender's retries of that key
+/// are answered in flight without a statement: each one sent would wait on
+/// the same row in a slot of its own, until no slot was left for any other
+/// key's claim. Once the transaction ends, the waiting claim decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_of_a_key_whose_claim_waits_on_a_held_row_take_no_more_slots() {
+    let app = TestApp::spawn(Backend::Postgres, |config| {
+        config.store.timeout = Duration::from_millis(500);
+    })
+    .await;
+    let holder = app.store.postgres().await;
+    holder
+        .batch_execute(
+            "BEGIN; INSERT INTO processed_events (source, event_id, status, lease_expires_at)
+             VALUES ('orders', 'evt_held', 'processing', now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    let first = app.deliver("evt_held", "{}").await;
+    assert_eq!((first.status, first.outcome()), (503, "unavailable"));
+    // More than there are slots for claims, stuck ones included.
+    for _ in 0..8 {
+        let retry = app.deliver("evt_held", "{}").await;
+        assert_eq!(
+            (retry.status, retry.outcome()),
+            (409, "in-flight"),
+            "{retry:?}"
+        );
+    }
+    let observer = app.store.postgres().await;
+    assert_eq!(waiting_on_locks(&observer).await.len(), 1);
+    assert_eq!(app.deliver("evt_other", "{}").await.outcome(), "forwarded");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    // The waiting claim inserts the key, and is released: its caller has
+    // had its answer.
+    let forwarded = async {
+        loop {
+            let retry = app.deliver("evt_held", "{}").await;
+            if retry.outcome() == "forwarded" {
+                return;
+            }
+            assert_eq!(retry.outcome(), "in-flight", "{retry:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), forwarded)
+        .await
+        .expect("the key is forwarded once the row is free");
+    assert_eq!(app.upstream.count(), 2);
+}
+
 /// With every settle slot taken by a statement waiting on a row another
 /// transaction holds (a pool of six leaves no slots for stuck statements
 /// beyond the two regular ones), the settle of any other key still lands

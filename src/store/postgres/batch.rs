@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 mod claim;
 
-pub(super) use claim::TakingBack;
+pub(super) use claim::{HeldClaims, TakingBack};
 
 use super::sql::Statements;
 use super::{Connection, Params, Session, postgres_error};

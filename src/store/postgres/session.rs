@@ -13,7 +13,7 @@ use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::batch::{Growth, TakingBack};
+use super::batch::{Growth, HeldClaims, TakingBack};
 use super::{Connection, postgres_error};
 use crate::error_chain;
 use crate::store::StoreError;
@@ -33,6 +33,7 @@ pub(super) struct Session {
     pub(super) instance: String,
     pub(super) growth: Growth,
     pub(super) taking_back: TakingBack,
+    pub(super) held_claims: HeldClaims,
     /// The server as errors name it: where it is, not who connects to it
     /// (a `/readyz` body may travel further than a log line).
     pub(super) server: String,

@@ -2,7 +2,8 @@
 //! take-back of keys it found failed or expired, and the claims read from
 //! their rows.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -36,18 +37,54 @@ impl BatchRunner {
                 Err(error) => return vec![Err(error); requests.len()],
             }
         }
-        self.claim_rounds(&requests, &replies).await
+        let held = self.session.held_claims.which(&requests);
+        let held = held.as_deref();
+        let mut claiming = std::pin::pin!(self.claim_rounds(&requests, held, &replies));
+        match tokio::time::timeout(self.stuck_after, &mut claiming).await {
+            Ok(claims) => claims,
+            Err(_) => {
+                let sent = requests
+                    .iter()
+                    .enumerate()
+                    .filter(|&(index, _)| !held.is_some_and(|held| held[index]))
+                    .map(|(_, request)| request);
+                let _marked = self.session.held_claims.mark(sent);
+                claiming.await
+            }
+        }
     }
 
     /// A key decided before the rest of its round (see `claim_round`) has
-    /// its reply at once.
+    /// its reply at once, and so has a key in `held` (see [`HeldClaims`]),
+    /// which is answered in flight without a statement.
     async fn claim_rounds(
         &self,
         requests: &[ClaimRequest],
+        held: Option<&[bool]>,
         replies: &Replies<Claim>,
     ) -> Vec<Result<Claim, StoreError>> {
         let mut claims: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
+        for (index, _) in held
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .filter(|&(_, &held)| held)
+        {
+            // Its statement's own answer, when it comes, is the key's.
+            let in_flight = Ok(Claim::InFlight {
+                payload_mismatch: false,
+            });
+            replies.send(index, in_flight.clone());
+            claims[index] = Some(in_flight);
+        }
         for round in rounds(requests, |r| (&r.source, &r.key)) {
+            let round: Vec<usize> = round
+                .into_iter()
+                .filter(|&index| claims[index].is_none())
+                .collect();
+            if round.is_empty() {
+                continue;
+            }
             let round_requests: Vec<&ClaimRequest> = round.iter().map(|&i| &requests[i]).collect();
             let decided_early = |position: usize, claim: &Result<Claim, StoreError>| {
                 replies.send(round[position], claim.clone());
@@ -351,6 +388,75 @@ fn lost_to_an_unseen_row(row: &Row) -> bool {
     let won: bool = row.get(1);
     let prior_status: Option<&str> = row.get(4);
     !won && prior_status.is_none()
+}
+
+/// The keys of claim statements that have been at the database for
+/// `stuck_after` or longer: waiting, nearly always, on a row another
+/// transaction is inserting (an open transaction, or another replica's
+/// statement waiting behind one). A new claim of such a key is answered in
+/// flight without a statement: sent, it would wait on the same row, and a
+/// sender retrying the key, each retry in a statement of its own, would
+/// take every slot for claims, and every other key's claim with them, for
+/// as long as the row is held.
+#[derive(Default)]
+pub(in crate::store::postgres) struct HeldClaims {
+    /// How many keys are marked; read without the lock by every batch.
+    marked: AtomicUsize,
+    keys: Mutex<HashMap<(Arc<str>, String), usize>>,
+}
+
+impl HeldClaims {
+    /// For each of `requests`, whether its key is marked; `None` when no
+    /// key is (the usual case, decided without the lock).
+    fn which(&self, requests: &[ClaimRequest]) -> Option<Vec<bool>> {
+        if self.marked.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let held: Vec<bool> = requests
+            .iter()
+            .map(|request| keys.contains_key(&(Arc::clone(&request.source), request.key.clone())))
+            .collect();
+        held.contains(&true).then_some(held)
+    }
+
+    /// Marks the keys of `requests` until the guard is dropped.
+    fn mark<'a>(&'a self, requests: impl Iterator<Item = &'a ClaimRequest>) -> Marked<'a> {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let mine: Vec<(Arc<str>, String)> = requests
+            .map(|request| (Arc::clone(&request.source), request.key.clone()))
+            .collect();
+        for key in &mine {
+            *keys.entry(key.clone()).or_default() += 1;
+        }
+        self.marked.store(keys.len(), Ordering::Release);
+        Marked { held: self, mine }
+    }
+}
+
+/// Keys marked held, until dropped.
+struct Marked<'a> {
+    held: &'a HeldClaims,
+    mine: Vec<(Arc<str>, String)>,
+}
+
+impl Drop for Marked<'_> {
+    fn drop(&mut self) {
+        let mut keys = self
+            .held
+            .keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for key in &self.mine {
+            if let Some(count) = keys.get_mut(key) {
+                *count -= 1;
+                if *count == 0 {
+                    keys.remove(key);
+                }
+            }
+        }
+        self.held.marked.store(keys.len(), Ordering::Release);
+    }
 }
 
 /// The keys this replica is taking back, so that it sends no second
