@@ -217,7 +217,7 @@ pub struct Limits {
     #[serde(default = "default_read_timeout", with = "duration")]
     pub header_read_timeout: Duration,
     /// Longest time a client may take to send a request's body, from the
-    /// request's start (an unmatched one's is streamed and cut off); slower
+    /// end of its head (an unmatched one's is streamed and cut off); slower
     /// requests get 408.
     #[serde(default = "default_read_timeout", with = "duration")]
     pub body_read_timeout: Duration,

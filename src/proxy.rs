@@ -50,8 +50,8 @@ pub struct Proxy {
     /// One permit per byte of request body held (`limits.max_buffered_body_bytes`).
     body_budget: Arc<Semaphore>,
     /// The webhooks being processed: shutdown waits for them, as some have
-    /// no connection left that would (an HTTP/2 sender that reset its
-    /// stream or closed the connection while the upstream had the request).
+    /// no connection left that would (a sender that reset its HTTP/2 stream,
+    /// or its connection, while the upstream had the request).
     webhooks: TaskTracker,
     settings: Settings,
 }
@@ -170,21 +170,19 @@ impl Proxy {
         &self.store
     }
 
-    /// Waits until every webhook being processed has ended, or `deadline`.
-    /// Whether they all ended.
+    /// Waits until every webhook being processed has ended, or `deadline`;
+    /// called once the connections have drained. Whether they all ended.
     pub async fn finish_webhooks(&self, deadline: Instant) -> bool {
         self.webhooks.close();
         if self.webhooks.is_empty() {
             return true;
         }
-        // With time left, every connection has ended: what is still being
-        // processed has lost its sender.
-        if Instant::now() < deadline {
-            tracing::info!(
-                webhooks = self.webhooks.len(),
-                "shutdown waits for webhooks whose senders have gone"
-            );
-        }
+        // Called with time left, once every connection has ended: what is
+        // still being processed has lost its sender.
+        tracing::info!(
+            webhooks = self.webhooks.len(),
+            "shutdown waits for webhooks whose senders have gone"
+        );
         let deadline = tokio::time::Instant::from_std(deadline);
         tokio::time::timeout_at(deadline, self.webhooks.wait())
             .await

@@ -184,13 +184,15 @@ impl Application {
         self.admin.shutting_down.store(true, Ordering::Release);
         let deadline = Instant::now() + self.shutdown_grace;
         let drained = self.serving.drain(self.shutdown_grace).await;
-        // A webhook whose HTTP/2 sender has gone is no connection's any
-        // more: released now, a delivery the application may yet complete
-        // would be forwarded again on the sender's retry.
-        if !self.proxy.finish_webhooks(deadline).await {
+        // A webhook whose sender has gone (an HTTP/2 stream reset, a
+        // connection reset) is no connection's any more: released now, a
+        // delivery the application may yet complete would be forwarded
+        // again on the sender's retry. Past the deadline the drain has said
+        // so already.
+        if Instant::now() < deadline && !self.proxy.finish_webhooks(deadline).await {
             tracing::warn!(
                 grace = ?self.shutdown_grace,
-                "shutdown grace period ended with webhooks still at the upstream"
+                "shutdown grace period ended with webhooks still being processed"
             );
         }
         let settles = self

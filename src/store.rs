@@ -109,6 +109,20 @@ pub struct ClaimRequest {
     pub reject_mismatch: bool,
 }
 
+#[cfg(test)]
+impl ClaimRequest {
+    /// A claim of `key` on the `orders` route, with a minute's lease.
+    pub(crate) fn for_test(key: &str) -> Self {
+        Self {
+            source: Arc::from("orders"),
+            key: key.into(),
+            payload_sha256: [0; 32],
+            lease: Duration::from_secs(60),
+            reject_mismatch: false,
+        }
+    }
+}
+
 /// The outcome written by `settle`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Settlement {

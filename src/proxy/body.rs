@@ -15,8 +15,9 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::{Answer, Proxy, Rejection, Unavailable};
 
 impl Proxy {
-    /// Reads the whole body, refusing it past the limit, and takes its bytes
-    /// from the buffered-body budget into `budget` as they arrive.
+    /// Reads the whole body, refusing it past the limit, and takes what
+    /// holding it costs from the buffered-body budget into `budget` as it
+    /// arrives.
     pub(super) async fn read(
         &self,
         request: Request<Incoming>,
@@ -36,7 +37,8 @@ impl Proxy {
             }
             return Err(Answer::Rejected(Rejection::TooLarge(limit)));
         }
-        let collect = self.collect(&mut body, limit, budget);
+        let declared = declared.and_then(|length| usize::try_from(length).ok());
+        let collect = self.collect(&mut body, limit, declared, budget);
         match tokio::time::timeout(self.settings.body_read_timeout, collect).await {
             Ok(Ok(collected)) => Ok((parts, collected)),
             Ok(Err(Refused::Budget)) => Err(Answer::Unavailable(
@@ -71,14 +73,17 @@ impl Proxy {
 
     /// Reads the body whole, up to `limit` bytes; the body is left where it
     /// stopped. What is held is charged to the buffered-body budget: a body
-    /// of one frame as it came, one of several copied into a single buffer
-    /// whose whole capacity is charged. Frames kept as they came would cost
+    /// of one piece as it came, one of several copied into a single buffer
+    /// whose whole capacity is charged. Pieces kept as they came would cost
     /// far more than their bytes when small (a chunk of one byte, say), and
-    /// the budget would not bound the memory held.
+    /// the budget would not bound the memory held. The buffer is the
+    /// declared `Content-Length` from the start; without one it doubles as
+    /// it fills, and is cut to size at the end, its surplus given back.
     async fn collect(
         &self,
         body: &mut Incoming,
         limit: usize,
+        declared: Option<usize>,
         budget: &mut Option<OwnedSemaphorePermit>,
     ) -> Result<Bytes, Refused> {
         let mut first = None;
@@ -92,20 +97,26 @@ impl Proxy {
             else {
                 continue;
             };
+            // HTTP/2 often ends a body with an empty frame.
+            if chunk.is_empty() {
+                continue;
+            }
             read += chunk.len();
             if read > limit {
                 return Err(Refused::TooLarge);
             }
-            let held = match first.take() {
+            let holding = match first.take() {
                 None if joined.is_empty() => {
-                    let held = chunk.len();
+                    let holding = chunk.len();
                     first = Some(chunk);
-                    held
+                    holding
                 }
                 earlier => {
                     if joined.capacity() - joined.len() < chunk.len() {
-                        // Doubling keeps the copies few; the limit caps it.
-                        let wanted = (joined.capacity() * 2).max(read).min(limit);
+                        let wanted = declared
+                            .unwrap_or(joined.capacity() * 2)
+                            .max(read)
+                            .min(limit);
                         joined.reserve_exact(wanted - joined.len());
                     }
                     joined.extend_from_slice(&earlier.unwrap_or_default());
@@ -113,15 +124,22 @@ impl Proxy {
                     joined.capacity()
                 }
             };
-            if held > charged {
-                self.charge(held - charged, budget)?;
-                charged = held;
+            if holding > charged {
+                self.charge(holding - charged, budget)?;
+                charged = holding;
             }
         }
-        Ok(match first {
-            Some(only) => only,
-            None => Bytes::from(joined),
-        })
+        if let Some(only) = first {
+            return Ok(only);
+        }
+        if joined.capacity() > joined.len() {
+            joined.shrink_to_fit();
+            if let Some(held) = budget.as_mut() {
+                let surplus = charged.saturating_sub(joined.capacity());
+                drop(held.split(surplus));
+            }
+        }
+        Ok(Bytes::from(joined))
     }
 
     /// Takes `bytes` more from the buffered-body budget into `budget`.

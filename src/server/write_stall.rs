@@ -3,7 +3,8 @@
 //! fills, hyper stops polling the response body, and the upstream connection
 //! that body comes on, with the application's worker writing to it, is held
 //! for as long as the sender keeps its connection open, outside
-//! `limits.max_concurrent_requests` (released once the answer is made). A
+//! `limits.max_concurrent_requests` (a request's place there is given back
+//! once its answer is made, before the body is passed on). A
 //! write the socket has taken nothing of for the stall limit fails instead,
 //! which ends the connection and drops what it was passing on. (HTTP/2
 //! senders that stop taking one stream's response, the connection still
@@ -38,7 +39,7 @@ impl<T> StalledWrites<T> {
 
     /// Passes on a write's result, failing it once writes have waited for
     /// `stall` without progress.
-    fn watch<R>(
+    fn fail_if_stalled<R>(
         &mut self,
         cx: &mut Context<'_>,
         written: Poll<io::Result<R>>,
@@ -76,7 +77,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StalledWrites<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let written = Pin::new(&mut self.io).poll_write(cx, buf);
-        self.watch(cx, written)
+        self.fail_if_stalled(cx, written)
     }
 
     fn poll_write_vectored(
@@ -85,7 +86,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StalledWrites<T> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let written = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        self.watch(cx, written)
+        self.fail_if_stalled(cx, written)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -94,7 +95,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StalledWrites<T> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let flushed = Pin::new(&mut self.io).poll_flush(cx);
-        self.watch(cx, flushed)
+        self.fail_if_stalled(cx, flushed)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

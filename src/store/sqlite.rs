@@ -480,16 +480,6 @@ mod tests {
         SqliteStore::open(path.to_str().unwrap(), &config).unwrap()
     }
 
-    fn claim(key: &str) -> ClaimRequest {
-        ClaimRequest {
-            source: Arc::from("orders"),
-            key: key.into(),
-            payload_sha256: [0; 32],
-            lease: Duration::from_secs(60),
-            reject_mismatch: false,
-        }
-    }
-
     /// Keeps the store's thread busy until the sender is dropped, so that
     /// what is queued meanwhile runs together afterwards.
     fn hold_thread(store: &SqliteStore) -> mpsc::Sender<()> {
@@ -519,7 +509,7 @@ mod tests {
         let store = open(&dir, give_up_after);
         store.migrate().await.unwrap();
         let release = hold_thread(&store);
-        let pending = store.queue_claim(&claim("late")).unwrap();
+        let pending = store.queue_claim(&ClaimRequest::for_test("late")).unwrap();
         // Past the point where its caller was answered 503.
         tokio::time::sleep(give_up_after).await;
         drop(release);
@@ -541,7 +531,7 @@ mod tests {
         let rolled_back = store
             .queue_grouped(None, |connection| connection.execute_batch("ROLLBACK"))
             .unwrap();
-        let after = store.queue_claim(&claim("after")).unwrap();
+        let after = store.queue_claim(&ClaimRequest::for_test("after")).unwrap();
         drop(release);
         assert!(rolled_back.await.unwrap().is_err());
         let answer = after.await.unwrap();

@@ -13,7 +13,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 /// Why a sender's body streamed to the upstream ended before it was whole.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SenderBodyError {
-    /// Not whole within `limits.body_read_timeout` of the request's start.
+    /// Not whole within `limits.body_read_timeout` of the end of the head.
     #[error("the request body did not arrive within {0:?}")]
     Timeout(Duration),
     /// Cut off, or badly framed (a chunk size that is not one, say).

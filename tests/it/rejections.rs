@@ -2,6 +2,7 @@
 //! its status with `X-Dedupe-Outcome`, forwards nothing and claims nothing.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::on_both_stores;
 use crate::support::{Backend, Behavior, Gate, TestApp};
@@ -133,6 +134,53 @@ async fn requests_over_the_concurrency_limit_get_503(backend: Backend) {
     );
     app.assert_metrics(&[r#"dedupe_requests_total{outcome="overloaded",route="orders"} 1"#])
         .await;
+}
+
+/// A chunked body's buffer doubles as it fills, and is cut to size once the
+/// body is whole, its surplus given back to the buffered-body budget: a body
+/// of 600,000 one-byte chunks grows a 1 MiB buffer, but holds 600,000 bytes
+/// of the budget while its request goes on, leaving room for another to
+/// grow its own buffer beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_gives_back_its_buffers_surplus_once_whole() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const BODY: usize = 600_000;
+    const LIMIT: usize = 1 << 20;
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.limits.max_body_bytes = LIMIT;
+        config.limits.max_buffered_body_bytes = LIMIT + BODY;
+        // The first request waits at the upstream while the second is sent.
+        config.upstream.timeout = Duration::from_secs(60);
+        config.store.lease = Duration::from_secs(120);
+    })
+    .await;
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_first", [Behavior::Gate(Arc::clone(&gate))]);
+    let mut body = b"1\r\nx\r\n".repeat(BODY);
+    body.extend_from_slice(b"0\r\n\r\n");
+    let send = |key: &'static str| {
+        let (addr, body) = (app.addr, body.clone());
+        async move {
+            let mut sender = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let head = format!(
+                "POST /hooks/orders HTTP/1.1\r\nhost: proxy\r\nx-event-id: {key}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            );
+            sender.write_all(head.as_bytes()).await.unwrap();
+            sender.write_all(&body).await.unwrap();
+            let mut answer = String::new();
+            sender.read_to_string(&mut answer).await.unwrap();
+            answer
+        }
+    };
+    let first = tokio::spawn(send("evt_first"));
+    app.upstream.wait_for(1).await;
+    let second = send("evt_second").await;
+    assert!(second.starts_with("HTTP/1.1 200"), "{second}");
+    gate.open();
+    let first = first.await.unwrap();
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    assert_eq!(app.upstream.seen()[0].body.len(), BODY);
 }
 
 /// A body is held from its first byte until its request ends, so what

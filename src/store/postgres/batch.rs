@@ -14,8 +14,10 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
 
 mod claim;
+mod held;
 
-pub(super) use claim::{HeldClaims, TakingBack};
+pub(super) use claim::TakingBack;
+pub(super) use held::HeldClaims;
 
 use super::sql::Statements;
 use super::{Connection, Params, Session, postgres_error};
@@ -207,7 +209,8 @@ struct BatchRunner {
     /// a connection from the pool.
     connection: Option<Arc<Connection>>,
     /// How long a settle statement may wait before the keys it has not
-    /// reached are settled beside it (see `settle_unlocked`).
+    /// reached are settled beside it (see `settle_unlocked`), and a claim
+    /// statement before its keys are held (see [`HeldClaims`]).
     stuck_after: Duration,
 }
 

@@ -2,8 +2,7 @@
 //! take-back of keys it found failed or expired, and the claims read from
 //! their rows.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -31,31 +30,20 @@ impl BatchRunner {
         lane: Lane,
         replies: Replies<Claim>,
     ) -> Vec<Result<Claim, StoreError>> {
-        if lane != Lane::Beside {
+        let held = self.session.held_claims.held_among(&requests);
+        let all_held = held.as_ref().is_some_and(|held| !held.contains(&false));
+        if lane != Lane::Beside && !all_held {
             match self.session.pipeline().await {
                 Ok(connection) => self.connection = Some(connection),
                 Err(error) => return vec![Err(error); requests.len()],
             }
         }
-        let held = self.session.held_claims.which(&requests);
-        let held = held.as_deref();
-        let mut claiming = std::pin::pin!(self.claim_rounds(&requests, held, &replies));
-        match tokio::time::timeout(self.stuck_after, &mut claiming).await {
-            Ok(claims) => claims,
-            Err(_) => {
-                let sent = requests
-                    .iter()
-                    .enumerate()
-                    .filter(|&(index, _)| !held.is_some_and(|held| held[index]))
-                    .map(|(_, request)| request);
-                let _marked = self.session.held_claims.mark(sent);
-                claiming.await
-            }
-        }
+        self.claim_rounds(&requests, held.as_deref(), &replies)
+            .await
     }
 
     /// A key decided before the rest of its round (see `claim_round`) has
-    /// its reply at once, and so has a key in `held` (see [`HeldClaims`]),
+    /// its reply at once, and so has a key in `held` (see `HeldClaims`),
     /// which is answered in flight without a statement.
     async fn claim_rounds(
         &self,
@@ -70,7 +58,9 @@ impl BatchRunner {
             .enumerate()
             .filter(|&(_, &held)| held)
         {
-            // Its statement's own answer, when it comes, is the key's.
+            // The held statement's outcome goes to the request it was sent
+            // for; this one only learns that the key is in flight, without
+            // its body compared with the first delivery's.
             let in_flight = Ok(Claim::InFlight {
                 payload_mismatch: false,
             });
@@ -128,22 +118,29 @@ impl BatchRunner {
         requests: &[&ClaimRequest],
         decided_early: &(dyn Fn(usize, &Result<Claim, StoreError>) + Sync),
     ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
-        let rows = match requests {
-            [one] => {
-                let params: &Params<'_> = &[
-                    (&&*one.source, Type::TEXT),
-                    (&one.key, Type::TEXT),
-                    (&&one.payload_sha256[..], Type::BYTEA),
-                    (&lease_ms(one), Type::INT8),
-                    (&one.reject_mismatch, Type::BOOL),
-                ];
-                self.query(&self.sql.claim_one, params).await?
-            }
-            _ => {
-                let columns = ClaimColumns::of(requests);
-                self.query(&self.sql.claim, &columns.params()).await?
+        let statement = async {
+            match requests {
+                [one] => {
+                    let params: &Params<'_> = &[
+                        (&&*one.source, Type::TEXT),
+                        (&one.key, Type::TEXT),
+                        (&&one.payload_sha256[..], Type::BYTEA),
+                        (&lease_ms(one), Type::INT8),
+                        (&one.reject_mismatch, Type::BOOL),
+                    ];
+                    self.query(&self.sql.claim_one, params).await
+                }
+                _ => {
+                    let columns = ClaimColumns::of(requests);
+                    self.query(&self.sql.claim, &columns.params()).await
+                }
             }
         };
+        let rows = self
+            .session
+            .held_claims
+            .marked_while_stuck(requests, self.stuck_after, statement)
+            .await?;
         let mut claims = vec![None; requests.len()];
         let mut unseen = Vec::new();
         let mut retakable = Vec::new();
@@ -388,75 +385,6 @@ fn lost_to_an_unseen_row(row: &Row) -> bool {
     let won: bool = row.get(1);
     let prior_status: Option<&str> = row.get(4);
     !won && prior_status.is_none()
-}
-
-/// The keys of claim statements that have been at the database for
-/// `stuck_after` or longer: waiting, nearly always, on a row another
-/// transaction is inserting (an open transaction, or another replica's
-/// statement waiting behind one). A new claim of such a key is answered in
-/// flight without a statement: sent, it would wait on the same row, and a
-/// sender retrying the key, each retry in a statement of its own, would
-/// take every slot for claims, and every other key's claim with them, for
-/// as long as the row is held.
-#[derive(Default)]
-pub(in crate::store::postgres) struct HeldClaims {
-    /// How many keys are marked; read without the lock by every batch.
-    marked: AtomicUsize,
-    keys: Mutex<HashMap<(Arc<str>, String), usize>>,
-}
-
-impl HeldClaims {
-    /// For each of `requests`, whether its key is marked; `None` when no
-    /// key is (the usual case, decided without the lock).
-    fn which(&self, requests: &[ClaimRequest]) -> Option<Vec<bool>> {
-        if self.marked.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        let held: Vec<bool> = requests
-            .iter()
-            .map(|request| keys.contains_key(&(Arc::clone(&request.source), request.key.clone())))
-            .collect();
-        held.contains(&true).then_some(held)
-    }
-
-    /// Marks the keys of `requests` until the guard is dropped.
-    fn mark<'a>(&'a self, requests: impl Iterator<Item = &'a ClaimRequest>) -> Marked<'a> {
-        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        let mine: Vec<(Arc<str>, String)> = requests
-            .map(|request| (Arc::clone(&request.source), request.key.clone()))
-            .collect();
-        for key in &mine {
-            *keys.entry(key.clone()).or_default() += 1;
-        }
-        self.marked.store(keys.len(), Ordering::Release);
-        Marked { held: self, mine }
-    }
-}
-
-/// Keys marked held, until dropped.
-struct Marked<'a> {
-    held: &'a HeldClaims,
-    mine: Vec<(Arc<str>, String)>,
-}
-
-impl Drop for Marked<'_> {
-    fn drop(&mut self) {
-        let mut keys = self
-            .held
-            .keys
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        for key in &self.mine {
-            if let Some(count) = keys.get_mut(key) {
-                *count -= 1;
-                if *count == 0 {
-                    keys.remove(key);
-                }
-            }
-        }
-        self.held.marked.store(keys.len(), Ordering::Release);
-    }
 }
 
 /// The keys this replica is taking back, so that it sends no second
