@@ -50,8 +50,8 @@ pub struct Proxy {
     /// One permit per byte of request body held (`limits.max_buffered_body_bytes`).
     body_budget: Arc<Semaphore>,
     /// The webhooks being processed: shutdown waits for them, as some have
-    /// no connection left that would (a sender that reset its HTTP/2 stream,
-    /// or its connection, while the upstream had the request).
+    /// no connection left that would (an HTTP/2 sender that reset its
+    /// stream, or its connection, while the upstream had the request).
     webhooks: TaskTracker,
     settings: Settings,
 }

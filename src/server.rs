@@ -184,8 +184,9 @@ impl Application {
         self.admin.shutting_down.store(true, Ordering::Release);
         let deadline = Instant::now() + self.shutdown_grace;
         let drained = self.serving.drain(self.shutdown_grace).await;
-        // A webhook whose sender has gone (an HTTP/2 stream reset, a
-        // connection reset) is no connection's any more: released now, a
+        // A webhook whose HTTP/2 sender has gone (a stream or connection
+        // reset) is no connection's any more (an HTTP/1 connection waits
+        // for its webhook whatever its sender does): released now, a
         // delivery the application may yet complete would be forwarded
         // again on the sender's retry. Past the deadline the drain has said
         // so already.

@@ -59,7 +59,7 @@ impl Proxy {
                     // Nothing failed, and nothing is sent again.
                     Unsettled::Pending(_) => tracing::warn!(
                         route = &*claim.source, key = claim.key.as_str(), attempt, %error,
-                        "settle still at the database (waiting on a row another transaction holds, say); answered, and its outcome awaited in the background"
+                        "settle still at the database (waiting on a row another transaction holds, or on a store that has stopped answering); answered, and its outcome awaited in the background"
                     ),
                 }
                 Err(unsettled)
