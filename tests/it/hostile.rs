@@ -656,16 +656,7 @@ async fn raw_upstream(answer: &'static [u8]) -> std::net::SocketAddr {
                 return;
             };
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buffer = [0u8; 4096];
-                loop {
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match stream.read(&mut buffer).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buffer[..n]),
-                        }
-                    }
-                    head.clear();
+                while read_head(&mut stream).await {
                     if stream.write_all(answer).await.is_err() {
                         return;
                     }
@@ -674,6 +665,21 @@ async fn raw_upstream(answer: &'static [u8]) -> std::net::SocketAddr {
         }
     });
     addr
+}
+
+/// Reads from `stream` up to the end of a request head (whatever follows
+/// it in the same read is dropped); false if the stream ended or failed
+/// first.
+async fn read_head(stream: &mut TcpStream) -> bool {
+    let mut head = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buffer).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => head.extend_from_slice(&buffer[..n]),
+        }
+    }
+    true
 }
 
 /// An upstream that takes one connection, reads a request head from it and
@@ -690,12 +696,7 @@ where
     let (done_tx, done) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.unwrap();
-        let mut head = Vec::new();
-        let mut buffer = [0u8; 4096];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = stream.read(&mut buffer).await.unwrap();
-            head.extend_from_slice(&buffer[..n]);
-        }
+        assert!(read_head(&mut stream).await, "a request head");
         answer(stream).await;
         let _ = done_tx.send(());
     });

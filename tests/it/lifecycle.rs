@@ -677,19 +677,7 @@ async fn retries_of_a_key_whose_claim_waits_on_a_held_row_take_no_more_slots() {
     holder.batch_execute("ROLLBACK").await.unwrap();
     // The waiting claim inserts the key, and is released: its caller has
     // had its answer.
-    let forwarded = async {
-        loop {
-            let retry = app.deliver("evt_held", "{}").await;
-            if retry.outcome() == "forwarded" {
-                return;
-            }
-            assert_eq!(retry.outcome(), "in-flight", "{retry:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), forwarded)
-        .await
-        .expect("the key is forwarded once the row is free");
+    redelivered_until(&app, "evt_held", "forwarded").await;
     assert_eq!(app.upstream.count(), 2);
 }
 
@@ -909,19 +897,25 @@ async fn shutdown_waits_for_a_delivery_whose_http2_sender_has_gone() {
 /// Delivers `key` again until it is answered `duplicate` (its outcome was
 /// written), every answer before that being `in-flight`, never forwarded.
 async fn redelivered_until_duplicate(app: &TestApp, key: &str) {
-    let settled = async {
+    redelivered_until(app, key, "duplicate").await;
+}
+
+/// Delivers `key` again until it is answered with `outcome`, every answer
+/// before that being `in-flight`.
+async fn redelivered_until(app: &TestApp, key: &str, outcome: &str) {
+    let answered = async {
         loop {
             let again = app.deliver(key, "{}").await;
-            if again.outcome() == "duplicate" {
+            if again.outcome() == outcome {
                 return;
             }
             assert_eq!(again.outcome(), "in-flight", "{again:?}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(Duration::from_secs(10), settled)
+    tokio::time::timeout(Duration::from_secs(10), answered)
         .await
-        .expect("the outcome was written");
+        .unwrap_or_else(|_| panic!("{key} never answered {outcome}"));
 }
 
 /// A proxy that, in shutdown, would wait a minute for a connection that it
@@ -1052,6 +1046,9 @@ async fn shutdown_with_the_store_hung_ends_one_store_timeout_after_the_grace() {
         config.store.url = url;
         config.store.timeout = Duration::from_secs(4);
         config.shutdown_grace = Duration::from_millis(200);
+        // No 504 (and its settle) before the process ends.
+        config.upstream.timeout = Duration::from_secs(30);
+        config.store.lease = Duration::from_secs(60);
     })
     .await;
     let mut senders = Vec::new();
