@@ -2,8 +2,11 @@
 //! Owns the rules of SPEC section 8 ("Keys"); does not decide what a missing
 //! key means (the route's `on_missing_key` does).
 
+use std::collections::HashMap;
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName};
+use serde_json::value::RawValue;
 
 use crate::config::KeyConfig;
 
@@ -47,12 +50,10 @@ impl KeySource {
             (Some(header), None) => HeaderName::try_from(header.as_str())
                 .map(|name| KeySource::Header(vec![name]))
                 .map_err(|_| format!("`{header}` is not a valid header name")),
-            (None, Some(pointer)) if pointer.starts_with('/') => {
+            (None, Some(pointer)) => {
+                check_pointer(pointer, "/id")?;
                 Ok(KeySource::Json(pointer.clone()))
             }
-            (None, Some(pointer)) => Err(format!(
-                "json: `{pointer}` is not a JSON pointer (it must start with `/`, e.g. /id)"
-            )),
             _ => Err("set exactly one of `header` or `json`".into()),
         }
     }
@@ -110,13 +111,123 @@ fn header_key(headers: &HeaderMap, names: &[HeaderName]) -> Result<Option<Vec<u8
 }
 
 fn json_key(body: &[u8], pointer: &str) -> Result<Option<Vec<u8>>, KeyError> {
-    let document: serde_json::Value =
-        serde_json::from_slice(body).map_err(|error| KeyError::NotJson(error.to_string()))?;
-    Ok(match document.pointer(pointer) {
-        Some(serde_json::Value::String(text)) if !text.is_empty() => Some(text.as_bytes().to_vec()),
-        Some(serde_json::Value::Number(number)) => Some(number.to_string().into_bytes()),
+    let not_json = |error: serde_json::Error| KeyError::NotJson(error.to_string());
+    if nests_deeper_than(body, MAX_NESTING) {
+        return Err(KeyError::NotJson(format!(
+            "arrays and objects nest more than {MAX_NESTING} deep"
+        )));
+    }
+    let document: &RawValue = serde_json::from_slice(body).map_err(not_json)?;
+    let Some(value) = pointed_at(document, pointer).map_err(not_json)? else {
+        return Ok(None);
+    };
+    // Told apart by their raw text, not parsed into a `Value`: with the
+    // `arbitrary_precision` feature, serde_json reads the object
+    // `{"$serde_json::private::Number":"42"}` as the number 42, and a
+    // sender could make an object collide with another event's key.
+    let text = value.get();
+    Ok(match text.as_bytes()[0] {
+        b'"' => Some(serde_json::from_str::<String>(text).map_err(not_json)?)
+            .filter(|text| !text.is_empty())
+            .map(String::into_bytes),
+        b'-' | b'0'..=b'9' => Some(
+            serde_json::from_str::<serde_json::Number>(text)
+                .map_err(not_json)?
+                .to_string()
+                .into_bytes(),
+        ),
         _ => None,
     })
+}
+
+/// How deep a keyed body's arrays and objects may nest. A body past it is
+/// refused rather than passed to an application whose parser might recurse
+/// once per level; real webhook payloads nest a handful of levels.
+const MAX_NESTING: usize = 128;
+
+/// Whether the arrays and objects of `body` (JSON or not) nest more than
+/// `limit` deep, brackets inside strings not counted.
+fn nests_deeper_than(body: &[u8], limit: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &byte in body {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// The value a JSON pointer (RFC 6901) points at, walking the raw document:
+/// only the objects and arrays on the pointer's path are opened. Of an
+/// object's repeated member names the last counts, as serde_json's `Value`
+/// has it.
+fn pointed_at<'a>(
+    document: &'a RawValue,
+    pointer: &str,
+) -> Result<Option<&'a RawValue>, serde_json::Error> {
+    let mut value = document;
+    for token in pointer.split('/').skip(1) {
+        let token = token.replace("~1", "/").replace("~0", "~");
+        let next = match value.get().as_bytes()[0] {
+            b'{' => serde_json::from_str::<HashMap<String, &RawValue>>(value.get())?.remove(&token),
+            b'[' => match array_index(&token) {
+                Some(index) => serde_json::from_str::<Vec<&RawValue>>(value.get())?
+                    .get(index)
+                    .copied(),
+                None => None,
+            },
+            _ => None,
+        };
+        match next {
+            Some(next) => value = next,
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(value))
+}
+
+/// An array index token: decimal digits without a leading zero (RFC 6901).
+fn array_index(token: &str) -> Option<usize> {
+    let well_formed = token.bytes().all(|byte| byte.is_ascii_digit())
+        && (token == "0" || !token.starts_with('0'));
+    well_formed.then(|| token.parse().ok()).flatten()
+}
+
+/// Whether `pointer` is a JSON pointer (RFC 6901) into a document: it
+/// starts with `/`, and every `~` is followed by `0` or `1`. `example` names
+/// a typical pointer for the message.
+pub fn check_pointer(pointer: &str, example: &str) -> Result<(), String> {
+    if !pointer.starts_with('/') {
+        return Err(format!(
+            "json: `{pointer}` is not a JSON pointer (it must start with `/`, e.g. {example})"
+        ));
+    }
+    let mut tildes = pointer.match_indices('~');
+    if tildes.any(|(at, _)| !matches!(pointer.as_bytes().get(at + 1), Some(b'0' | b'1'))) {
+        return Err(format!(
+            "json: `{pointer}` is not a JSON pointer (`~` must be followed by 0 or 1: `~0` is `~`, `~1` is `/`)"
+        ));
+    }
+    Ok(())
 }
 
 /// The key as sent upstream in `X-Dedupe-Key`: bytes outside visible ASCII
@@ -262,6 +373,92 @@ mod tests {
         ] {
             assert_eq!(from_body(&json("/id"), body), Ok(None), "{body}");
         }
+    }
+
+    #[test]
+    fn an_object_spelled_like_serde_jsons_number_token_is_no_key() {
+        for body in [
+            r#"{"id":{"$serde_json::private::Number":"42"}}"#,
+            r#"{"id":{"\u0024serde_json::private::Number":"42"}}"#,
+        ] {
+            assert_eq!(from_body(&json("/id"), body), Ok(None), "{body}");
+        }
+        assert_eq!(
+            from_body(
+                &json("/id/$serde_json::private::Number"),
+                r#"{"id":{"$serde_json::private::Number":"42"}}"#
+            ),
+            Ok(Some("42".into())),
+            "a string member is a key like any other"
+        );
+    }
+
+    #[test]
+    fn pointers_walk_objects_and_arrays_as_rfc_6901_has_it() {
+        let body = r#"{"data":[{"id":"a"},{"id":"b"}],"i\u0064":"escaped","~/":"t","x":1,"x":2}"#;
+        for (pointer, key) in [
+            ("/data/1/id", Some("b")),
+            ("/data/0/id", Some("a")),
+            ("/data/2/id", None),
+            ("/data/01/id", None),
+            ("/data/-/id", None),
+            ("/data/+1/id", None),
+            ("/data/id", None),
+            ("/id", Some("escaped")),
+            ("/~0~1", Some("t")),
+            ("/x", Some("2")),
+            ("/x/y", None),
+            ("/missing/y", None),
+        ] {
+            assert_eq!(
+                from_body(&json(pointer), body),
+                Ok(key.map(String::from)),
+                "{pointer}"
+            );
+        }
+    }
+
+    #[test]
+    fn whitespace_around_values_is_no_part_of_them() {
+        let body = " {\n \"id\" : \"x\" ,\t\"n\" : [ 1 , { \"m\" : -2.5 } ] } \n";
+        assert_eq!(from_body(&json("/id"), body), Ok(Some("x".into())));
+        assert_eq!(from_body(&json("/n/1/m"), body), Ok(Some("-2.5".into())));
+    }
+
+    #[test]
+    fn a_key_that_is_not_valid_text_makes_the_body_not_json() {
+        assert!(matches!(
+            from_body(&json("/id"), r#"{"id":"\ud800"}"#),
+            Err(KeyError::NotJson(_))
+        ));
+    }
+
+    #[test]
+    fn arrays_and_objects_nest_at_most_128_deep() {
+        let nested = |depth: usize| {
+            format!(
+                r#"{{"id":"evt_1","n":{}"[{{\"]"{}}}"#,
+                "[".repeat(depth - 1),
+                "]".repeat(depth - 1)
+            )
+        };
+        assert_eq!(
+            from_body(&json("/id"), &nested(128)),
+            Ok(Some("evt_1".into()))
+        );
+        assert!(matches!(
+            from_body(&json("/id"), &nested(129)),
+            Err(KeyError::NotJson(_))
+        ));
+    }
+
+    #[test]
+    fn pointers_with_a_stray_tilde_are_refused() {
+        for pointer in ["/a~2b", "/a~", "/~/x"] {
+            let error = check_pointer(pointer, "/id").unwrap_err();
+            assert!(error.contains("`~` must be followed by 0 or 1"), "{error}");
+        }
+        assert_eq!(check_pointer("/a~0~1b/0", "/id"), Ok(()));
     }
 
     #[test]

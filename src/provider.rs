@@ -249,12 +249,7 @@ impl Handshake {
 
     /// Checks a configured rule.
     pub fn validate(&self) -> Result<(), String> {
-        if !self.json.starts_with('/') {
-            return Err(format!(
-                "json: `{}` is not a JSON pointer (it must start with `/`, e.g. /type)",
-                self.json
-            ));
-        }
+        crate::key::check_pointer(&self.json, "/type")?;
         if self.equals.is_empty() {
             return Err("equals: must not be empty".into());
         }

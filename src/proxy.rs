@@ -31,6 +31,7 @@ pub use open_claims::{OpenClaim, OpenClaims};
 use record::{InFlight, class_of, log_request};
 
 use crate::config::{Config, Mode, OnMissingKey, OnUnavailable, UNMATCHED_ROUTE, Unmatched};
+use crate::key::KeyError;
 use crate::metrics::{Metrics, UpstreamSeries};
 use crate::route::{NearMiss, Route, Routes};
 use crate::store::{Claim, ClaimRequest, Fence, Store};
@@ -424,7 +425,7 @@ impl Proxy {
         body: &Bytes,
         trace: &mut Trace,
     ) -> Decision {
-        if route.is_keyless(&parts.headers, body) {
+        if route.is_handshake(body) {
             return Decision::Pass(PassReason::NotDeduplicated);
         }
         let key = match self.key_of(route, parts, body) {
@@ -484,6 +485,9 @@ impl Proxy {
             .extract(&parts.headers, body, self.settings.max_key_bytes)
         {
             Ok(Some(key)) => ControlFlow::Continue(key),
+            Ok(None) | Err(KeyError::NotJson(_)) if route.takes_as_keyless_form(&parts.headers) => {
+                ControlFlow::Break(Decision::Pass(PassReason::NotDeduplicated))
+            }
             Ok(None) if route.on_missing_key == OnMissingKey::Forward => {
                 ControlFlow::Break(Decision::Pass(PassReason::NotDeduplicated))
             }

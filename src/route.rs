@@ -231,12 +231,18 @@ impl Route {
         claim.payload_mismatch() && self.rejects_mismatched_bodies()
     }
 
-    /// Whether a (verified) request carries no event id by design and is
-    /// forwarded without a claim: one of the route's handshakes, or a form
-    /// on a route that takes forms as keyless.
-    pub fn is_keyless(&self, headers: &HeaderMap, body: &[u8]) -> bool {
+    /// Whether a (verified) request is one of the route's handshakes, which
+    /// carry no event id by design and are forwarded without a claim.
+    pub fn is_handshake(&self, body: &[u8]) -> bool {
         provider::is_handshake(&self.handshakes, body)
-            || (self.keyless_forms && provider::is_form(headers))
+    }
+
+    /// Whether a request in which no key was found is forwarded without a
+    /// claim because it is a form on a route that takes forms as keyless.
+    /// Asked only once the key is known to be missing: `Content-Type` is not
+    /// signed, so a keyed event re-sent as a "form" must still be claimed.
+    pub fn takes_as_keyless_form(&self, headers: &HeaderMap) -> bool {
+        self.keyless_forms && provider::is_form(headers)
     }
 
     /// Whether `on_payload_mismatch` is `reject`.

@@ -418,6 +418,34 @@ async fn slack_commands_and_interactions_are_forwarded_without_a_claim(backend: 
     let response = app.post("/slack/events", &forged, command).await;
     assert_eq!(response.status, 401, "a form is verified like any request");
 
+    // `Content-Type` is not signed: an event re-sent as a "form" still has
+    // its event id, and is claimed like any other delivery of it.
+    let event = r#"{"type":"event_callback","event_id":"Ev0001","event":{"type":"message"}}"#;
+    let signature = slack_signature(b"slack-secret", &ts, event);
+    for (content_type, outcome) in [
+        ("application/json", "forwarded"),
+        (form, "duplicate"),
+        (form, "duplicate"),
+    ] {
+        let headers = [
+            ("content-type", content_type),
+            ("x-slack-request-timestamp", ts.as_str()),
+            ("x-slack-signature", signature.as_str()),
+        ];
+        let response = app.post("/slack/events", &headers, event).await;
+        assert_eq!(
+            (response.status, response.outcome()),
+            (200, outcome),
+            "{content_type}: {}",
+            response.body
+        );
+    }
+    assert_eq!(app.upstream.count(), 4, "the event reached the app once");
+    assert_eq!(
+        app.upstream.seen()[3].header("x-dedupe-key"),
+        Some("Ev0001")
+    );
+
     // Only Slack's preset takes forms as keyless: elsewhere a JSON key still
     // needs a JSON body.
     let t = now();
@@ -430,7 +458,7 @@ async fn slack_commands_and_interactions_are_forwarded_without_a_claim(backend: 
     ];
     let response = app.post("/webhooks/stripe", &stripe, command).await;
     assert_eq!(response.status, 400, "{}", response.body);
-    assert_eq!(app.upstream.count(), 3);
+    assert_eq!(app.upstream.count(), 4);
 }
 
 async fn a_custom_signature_scheme_is_verified(backend: Backend) {
