@@ -59,9 +59,21 @@ pub enum Command {
     Prune {
         /// Delete keys first delivered longer ago than this (e.g. `72h`),
         /// whatever their route's retention.
-        #[arg(long, value_name = "DURATION", value_parser = crate::config::parse_duration)]
+        #[arg(long, value_name = "DURATION", value_parser = parse_horizon)]
         older_than: Option<Duration>,
     },
+}
+
+/// `prune --older-than`: a duration, as in the configuration, that is not
+/// zero, which would delete every key not under a live lease (the
+/// configuration refuses a zero `retention` alike).
+fn parse_horizon(text: &str) -> Result<Duration, String> {
+    match crate::config::parse_duration(text)? {
+        horizon if horizon.is_zero() => Err(
+            "must be greater than zero (0 would delete every key not under a live lease)".into(),
+        ),
+        horizon => Ok(horizon),
+    }
 }
 
 /// The `keys` subcommands.
@@ -218,5 +230,10 @@ mod tests {
         );
         let error = older_than("1M").unwrap_err().to_string();
         assert!(error.contains("`M` is months"), "{error}");
+        for zero in ["0", "0s", "0d"] {
+            let error = older_than(zero).unwrap_err();
+            assert_eq!(error.kind(), clap::error::ErrorKind::ValueValidation);
+            assert!(error.to_string().contains("greater than zero"), "{error}");
+        }
     }
 }

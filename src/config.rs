@@ -94,9 +94,9 @@ pub struct UpstreamConfig {
     /// Longest wait for the upstream's response headers; past it the sender
     /// gets 504, the claim is settled `failed` and the connection is reset
     /// (so that no part of the request still unsent reaches the upstream
-    /// later). The body that follows the headers is streamed without a
-    /// deadline; an upstream that vanishes while sending it is given up on
-    /// by TCP keepalive probes within about a minute.
+    /// later). The body that follows the headers is streamed as long as it
+    /// keeps coming: one that stalls for this long between two pieces is cut
+    /// off, and so is a sender that takes nothing written to it for as long.
     #[serde(default = "default_upstream_timeout", with = "duration")]
     pub timeout: Duration,
     /// Longest wait for a TCP connection to the upstream.

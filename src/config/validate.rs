@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use super::{Config, RouteConfig, Secrets, StatusMatch, UNMATCHED_ROUTE, duration};
+use super::{Config, RouteConfig, Secrets, StatusMatch, UNMATCHED_ROUTE, Unmatched, duration};
 use crate::secret::SecretRef;
 
 impl Config {
@@ -49,6 +49,14 @@ impl Config {
                 .is_some_and(|authority| authority.as_str().contains('@')),
             format!(
                 "upstream.url: `{upstream_url}`: credentials in the URL are not supported (the sender's Authorization field is forwarded as it is)"
+            ),
+        );
+        // Requests keep their own query; one in the URL would be printed by
+        // check-config and dropped on the way out.
+        check(
+            !self.upstream.url.contains(['?', '#']) || upstream_uri.is_none(),
+            format!(
+                "upstream.url: `{upstream_url}`: a query or fragment is not supported (each request is forwarded with its own query)"
             ),
         );
         check(
@@ -251,12 +259,14 @@ impl Config {
             ));
         }
         match (&route.path, &route.path_prefix) {
-            (Some(path), None) | (None, Some(path)) if path.starts_with('/') => {}
+            (Some(path), None) => check_route_path(&format!("{at}.path"), path, problems),
+            (None, Some(prefix)) => {
+                check_route_path(&format!("{at}.path_prefix"), prefix, problems)
+            }
             (Some(_), Some(_)) => {
                 problems.push(format!("{at}: set either path or path_prefix, not both"))
             }
             (None, None) => problems.push(format!("{at}: needs path or path_prefix")),
-            _ => problems.push(format!("{at}.path: must start with `/`")),
         }
         if route.methods.is_empty() {
             problems.push(format!("{at}.methods: must name at least one method"));
@@ -352,9 +362,10 @@ impl Config {
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         if self.routes.is_empty() {
-            warnings.push(
-                "routes: none configured, so every request is forwarded to the upstream unverified and not deduplicated".to_owned(),
-            );
+            warnings.push(match self.unmatched {
+                Unmatched::Forward => "routes: none configured, so every request is forwarded to the upstream unverified and not deduplicated",
+                Unmatched::Reject => "routes: none configured, so every request is answered 404 (unmatched: reject)",
+            }.to_owned());
         }
         // A claim is forwarded only while its lease has upstream.timeout
         // left; one that took longer than the rest of the lease is released.
@@ -429,6 +440,55 @@ fn validate_statuses(
             "{at}.in_flight_status: {in_flight_status} must be 300-599: a 2xx would tell the sender to stop retrying an event that may still fail"
         ));
     }
+}
+
+/// Routes match a request's path byte for byte, as the sender wrote it: a
+/// path that no request line can hold (a query, a space, a letter outside
+/// ASCII, which senders percent-encode) would never match, and its webhooks
+/// would go through unmatched, unverified.
+fn check_route_path(at: &str, path: &str, problems: &mut Vec<String>) {
+    let problem = if !path.starts_with('/') {
+        "must start with `/`".to_owned()
+    } else if let Some(at) = path.find(['?', '#']) {
+        format!(
+            "`{path}`: a path holds no `{}`: routes match the path alone",
+            &path[at..=at]
+        )
+    } else if path.contains('*') {
+        format!("`{path}`: `*` is not a wildcard: use path_prefix to match everything under a path")
+    } else if !path.is_ascii() {
+        let encoded =
+            percent_encoding::utf8_percent_encode(path, percent_encoding::NON_ALPHANUMERIC)
+                .to_string()
+                .replace("%2F", "/");
+        format!("`{path}`: write it as senders send it, percent-encoded (`{encoded}`)")
+    } else if let Some(byte) = path.bytes().find(|&byte| !is_path_byte(byte)) {
+        format!(
+            "`{path}`: `{}` cannot stand in a request's path (percent-encode it)",
+            (byte as char).escape_default()
+        )
+    } else if !percent_escapes_are_whole(path) {
+        format!("`{path}`: `%` must start an escape of two hex digits, e.g. `%20`")
+    } else {
+        return;
+    };
+    problems.push(format!("{at}: {problem}"));
+}
+
+/// A byte RFC 3986 allows in a path: unreserved, sub-delims, `:`, `@`, `/`
+/// and the `%` of an escape.
+fn is_path_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/%".contains(&byte)
+}
+
+fn percent_escapes_are_whole(path: &str) -> bool {
+    let bytes = path.as_bytes();
+    bytes.iter().enumerate().all(|(at, &byte)| {
+        byte != b'%'
+            || bytes
+                .get(at + 1..at + 3)
+                .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+    })
 }
 
 fn is_route_name(name: &str) -> bool {
@@ -559,6 +619,11 @@ mod tests {
                 "{text:?}: {warnings:?}"
             );
         }
+        let rejecting = parse("unmatched: reject").expect("valid").warnings();
+        assert_eq!(
+            rejecting,
+            ["routes: none configured, so every request is answered 404 (unmatched: reject)"]
+        );
         let routed = parse(ROUTE).expect("valid").warnings();
         assert!(routed.is_empty(), "{routed:?}");
     }
@@ -567,6 +632,65 @@ mod tests {
     fn a_route_without_a_path_or_with_a_bad_method_is_an_error_not_a_crash() {
         let found = problems("routes:\n  - { name: a, key: { header: X } }");
         assert_eq!(found, ["routes[0] (a) (line 2): needs path or path_prefix"]);
+        for (field, path, said) in [
+            ("path", "hooks", "must start with `/`"),
+            ("path_prefix", "hooks/", "must start with `/`"),
+            (
+                "path",
+                "/hooks/q?x=1",
+                "`/hooks/q?x=1`: a path holds no `?`: routes match the path alone",
+            ),
+            (
+                "path",
+                "/hooks#a",
+                "`/hooks#a`: a path holds no `#`: routes match the path alone",
+            ),
+            (
+                "path_prefix",
+                "/hooks/*",
+                "`/hooks/*`: `*` is not a wildcard: use path_prefix to match everything under a path",
+            ),
+            (
+                "path",
+                "/hooks/café",
+                "`/hooks/café`: write it as senders send it, percent-encoded (`/hooks/caf%C3%A9`)",
+            ),
+            (
+                "path",
+                "/hooks/a b",
+                "`/hooks/a b`: ` ` cannot stand in a request's path (percent-encode it)",
+            ),
+            (
+                "path",
+                "/hooks/\\a",
+                "`/hooks/\\a`: `\\\\` cannot stand in a request's path (percent-encode it)",
+            ),
+            (
+                "path",
+                "/hooks/100%",
+                "`/hooks/100%`: `%` must start an escape of two hex digits, e.g. `%20`",
+            ),
+            (
+                "path",
+                "/hooks/%zz",
+                "`/hooks/%zz`: `%` must start an escape of two hex digits, e.g. `%20`",
+            ),
+        ] {
+            let found = problems(&format!(
+                "routes: [{{ name: a, {field}: '{path}', key: {{ header: X }} }}]"
+            ));
+            assert_eq!(
+                found,
+                [format!("routes[0] (a).{field} (line 1): {said}")],
+                "{path}"
+            );
+        }
+        for path in ["/hooks/caf%C3%A9", "/a-b_c.d~e!$&'()+,;=:@/x", "/"] {
+            let config = parse(&format!(
+                "routes: [{{ name: a, path: \"{path}\", key: {{ header: X }} }}]"
+            ));
+            assert!(config.is_ok(), "{path}: {config:?}");
+        }
         let wildcard =
             problems("routes: [{ name: a, path: /a, key: { header: X }, methods: ['*'] }]");
         assert_eq!(
@@ -703,6 +827,26 @@ mod tests {
             problems.iter().all(|problem| !problem.contains("s3cret")),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn a_query_in_the_upstream_url_is_refused() {
+        for url in [
+            "http://127.0.0.1:3000/base?token=abc",
+            "http://127.0.0.1:3000/#top",
+        ] {
+            let found = problems(&format!("upstream: {{ url: '{url}' }}\n{ROUTE}"));
+            assert_eq!(
+                found,
+                [format!(
+                    "upstream.url (line 1): `{url}`: a query or fragment is not supported (each request is forwarded with its own query)"
+                )]
+            );
+        }
+        let config = parse(&format!(
+            "upstream: {{ url: 'http://127.0.0.1:3000/base/' }}\n{ROUTE}"
+        ));
+        assert!(config.is_ok(), "{config:?}");
     }
 
     #[test]
