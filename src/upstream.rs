@@ -197,8 +197,11 @@ fn prepare_request_headers(
         }
         None => {
             headers.insert(header::HOST, default_host.clone());
+            // The sender named no host, so none was forwarded for.
+            headers.remove(X_FORWARDED_HOST);
         }
     }
+    join_cookie_fields(headers);
     let forwarded = forwarded_for(headers.get_all(X_FORWARDED_FOR), &peer.ip);
     headers.insert(X_FORWARDED_FOR, forwarded);
     headers.insert(
@@ -216,6 +219,25 @@ fn prepare_request_headers(
             headers.insert(X_DEDUPE_ATTEMPT, attempt.into());
         }
     }
+}
+
+/// RFC 9113 section 8.2.3: an HTTP/2 sender may split `Cookie` into one
+/// field per cookie, which must be joined with `; ` before they go on over
+/// HTTP/1.1, where many applications read only the first `Cookie` line.
+fn join_cookie_fields(headers: &mut HeaderMap) {
+    let mut cookies = headers.get_all(header::COOKIE).iter();
+    if cookies.nth(1).is_none() {
+        return;
+    }
+    let joined = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect::<Vec<_>>()
+        .join(&b"; "[..]);
+    let joined =
+        HeaderValue::from_bytes(&joined).expect("field values joined by `; ` make a value");
+    headers.insert(header::COOKIE, joined);
 }
 
 /// Fits a response's framing fields to how it is passed on: hyper has read
@@ -440,6 +462,25 @@ mod tests {
             assert!(!parts.headers.contains_key(gone), "{gone} kept");
         }
         assert_eq!(parts.headers["x-kept"], "yes");
+    }
+
+    #[test]
+    fn a_request_without_host_forwards_no_host_of_the_senders_choosing() {
+        let mut parts = parts(&[("x-forwarded-host", "evil.example")]);
+        prepare_request_headers(&mut parts, &peer(), None, &default_host());
+        assert_eq!(parts.headers["host"], default_host());
+        assert!(!parts.headers.contains_key("x-forwarded-host"));
+    }
+
+    #[test]
+    fn split_cookie_fields_are_joined_into_one() {
+        let mut split = parts(&[("cookie", "a=1"), ("cookie", "b=2"), ("cookie", "c=3")]);
+        prepare_request_headers(&mut split, &peer(), None, &default_host());
+        let cookies: Vec<_> = split.headers.get_all("cookie").iter().collect();
+        assert_eq!(cookies, ["a=1; b=2; c=3"]);
+        let mut single = parts(&[("cookie", "a=1; b=2")]);
+        prepare_request_headers(&mut single, &peer(), None, &default_host());
+        assert_eq!(single.headers["cookie"], "a=1; b=2");
     }
 
     #[test]

@@ -28,18 +28,24 @@ pub(super) fn malformation(request: &Request<Incoming>) -> Option<&'static str> 
         }
         (host, _) => host,
     };
+    let is_host_and_port = |name: &[u8]| name.iter().all(|&byte| HOST_BYTES[usize::from(byte)]);
     // RFC 9112 section 3.2: a Host that is not a host and an optional port
     // (`a/b`, `a b`, `user@a`) would be passed on as one to the application,
     // and in X-Forwarded-Host.
-    if host.is_some_and(|host| {
-        !host
-            .as_bytes()
-            .iter()
-            .all(|&byte| HOST_BYTES[usize::from(byte)])
-    }) {
+    if host.is_some_and(|host| !is_host_and_port(host.as_bytes())) {
         return Some("the Host field is not a host with an optional port");
     }
     let target = request.uri();
+    // Without a Host field, the target's authority (HTTP/2's `:authority`)
+    // is passed on as the Host; RFC 9113 section 8.3.1 forbids a user part
+    // in it.
+    if host.is_none()
+        && target
+            .authority()
+            .is_some_and(|authority| !is_host_and_port(authority.as_str().as_bytes()))
+    {
+        return Some("the request target's authority is not a host with an optional port");
+    }
     let http2 = request.version() >= Version::HTTP_2;
     if !http2 && target.scheme().is_none() && target.authority().is_some() {
         return Some("a request target in authority form is for CONNECT only");

@@ -112,8 +112,25 @@ pub fn postgres_config(
             ));
         }
     };
+    // libpq ignores sslmode on a Unix socket, which has no TLS to offer; the
+    // driver would ask the server for TLS over it and, told no, fail under
+    // `require` and stronger modes.
+    if only_unix_sockets(&config) {
+        config.ssl_mode(SslMode::Disable);
+    }
     let tls = client_config(verification, rootcert).map_err(|e| e.to_string())?;
     Ok((config, PostgresTls(MakeRustlsConnect::new(tls))))
+}
+
+/// Whether every server the URL names is a Unix socket directory (a list
+/// that mixes in a TCP host keeps its `sslmode` for all of them, as the
+/// driver takes one mode for the whole list).
+fn only_unix_sockets(config: &tokio_postgres::Config) -> bool {
+    config.get_hostaddrs().is_empty()
+        && config
+            .get_hosts()
+            .iter()
+            .all(|host| matches!(host, tokio_postgres::config::Host::Unix(_)))
 }
 
 /// The rustls connector, usable with Unix-socket hosts too: tokio-postgres
@@ -461,6 +478,30 @@ mod tests {
             tokio_postgres::config::Host::Unix(_)
         ));
         assert!(MakeTlsConnect::<tokio::net::TcpStream>::make_tls_connect(&mut tls, "").is_ok());
+    }
+
+    #[test]
+    fn sslmode_is_ignored_on_unix_sockets_as_libpq_ignores_it() {
+        crate::tls::install_crypto_provider();
+        let mode = |url: &str| postgres_config(url, None).map(|(config, _)| config.get_ssl_mode());
+        for sslmode in ["require", "verify-ca", "verify-full", "prefer"] {
+            assert_eq!(
+                mode(&format!(
+                    "postgres://u@%2Fvar%2Frun%2Fpostgresql/x?sslmode={sslmode}"
+                )),
+                Ok(SslMode::Disable),
+                "{sslmode}"
+            );
+        }
+        assert_eq!(
+            mode("postgres://u@/x?host=/var/run/postgresql&host=db&sslmode=require"),
+            Ok(SslMode::Require),
+            "a list with a TCP host keeps its mode"
+        );
+        assert!(
+            mode("postgres://u@%2Fvar%2Frun%2Fpostgresql/x?sslmode=bogus").is_err(),
+            "and a bad one is still refused"
+        );
     }
 
     #[test]

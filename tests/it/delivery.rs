@@ -596,8 +596,18 @@ async fn an_http2_sender_with_prior_knowledge_is_served() {
     }
     let response = crate::support::send_http2(&mut sender, "/elsewhere", "evt_other").await;
     assert_eq!((response.status, response.outcome()), (200, "passthrough"));
+    // HTTP/2 may split Cookie into a field per cookie; HTTP/1.1 has one.
+    let split_cookies = http::Request::post("http://localhost/elsewhere")
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let response = sender.send_request(split_cookies).await.unwrap();
+    assert_eq!(response.status(), 200);
     let seen = app.upstream.seen();
-    assert_eq!(seen.len(), 2);
+    assert_eq!(seen.len(), 3);
     assert_eq!(seen[0].header("x-dedupe-key"), Some("evt_h2c"));
     assert_eq!(seen[1].uri.path(), "/elsewhere");
+    let cookies: Vec<_> = seen[2].headers.get_all("cookie").iter().collect();
+    assert_eq!(cookies, ["a=1; b=2"]);
 }

@@ -258,7 +258,8 @@ async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
 }
 
 /// Over HTTP/2 as over HTTP/1: a Host that names another authority than
-/// `:authority`, and `*` as the path of anything but OPTIONS, are refused.
+/// `:authority`, an `:authority` with a user part, and `*` as the path of
+/// anything but OPTIONS, are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
@@ -277,7 +278,13 @@ async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
         parts
     })
     .unwrap();
-    for request in [other_host, star] {
+    // With no Host field, `:authority` is the Host passed on: a user part
+    // in it is refused as it is in Host.
+    let user_authority = http::Request::post("http://user@a.example/hooks/orders")
+        .header("x-event-id", "h2_user")
+        .body(())
+        .unwrap();
+    for request in [other_host, star, user_authority] {
         let response = send_whole(client.clone(), request).await.await.unwrap();
         assert_eq!(response.status(), 400);
         assert_eq!(response.headers()["x-dedupe-outcome"], "rejected");

@@ -108,6 +108,37 @@ async fn sslmodes_verify_as_libpq_does() {
     );
 }
 
+/// libpq ignores `sslmode` on a Unix socket, where there is no TLS: a URL
+/// copied from a TCP one, with `verify-full`, still connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_is_ignored_on_a_unix_socket() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let client = store.postgres().await;
+    let directories: String = client
+        .query_one("SHOW unix_socket_directories", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let directory = directories.split(',').next().unwrap().trim().to_owned();
+    assert!(
+        !directory.is_empty(),
+        "these tests need PostgreSQL listening on a Unix socket (Debian's default)"
+    );
+    let socket =
+        percent_encoding::utf8_percent_encode(&directory, percent_encoding::NON_ALPHANUMERIC)
+            .to_string();
+    for sslmode in ["require", "verify-full"] {
+        let over_socket = url(
+            &store,
+            &socket,
+            &format!("sslmode={sslmode}&sslrootcert={SERVER_CERTIFICATE}"),
+        );
+        ping(&over_socket)
+            .await
+            .unwrap_or_else(|error| panic!("{over_socket}: {error}"));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_claims_over_a_verified_tls_connection() {
     let store = Arc::new(TestStore::new(Backend::Postgres).await);
