@@ -55,7 +55,7 @@ impl Admin {
         if self.shutting_down.load(Ordering::Acquire) {
             return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
         }
-        let reached = self.store.ping().await;
+        let reached = self.store.ready().await;
         if !self.schema.is_ready() {
             // The start-up migration has not finished: most often because the
             // store cannot be reached, which is then the reason to give, or

@@ -94,8 +94,8 @@ impl Application {
             Some(tls) => Some(CertificateReloader::load(&tls.cert_file, &tls.key_file)?),
             None => None,
         };
-        let store = Store::open(&config.store)?;
         let metrics = Metrics::new();
+        let store = Store::open(&config.store)?.counted_in(metrics.clone());
         metrics.start_at_zero(config.routes.iter().map(|route| route.name.as_str()));
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)

@@ -18,6 +18,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::oneshot;
 
 use crate::config::StoreConfig;
+use crate::metrics::Metrics;
 
 pub use keys::{Forget, KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources};
 pub use postgres::PostgresStore;
@@ -303,6 +304,9 @@ pub trait Backend: Send + Sync + 'static {
 pub struct Store {
     backend: Arc<AnyBackend>,
     timeout: Duration,
+    /// Where the writes the store makes on its own (a late claim's
+    /// release) and [`Store::settle_counted`] are timed and counted.
+    metrics: Option<Metrics>,
 }
 
 enum AnyBackend {
@@ -347,7 +351,18 @@ impl Store {
         Ok(Self {
             backend: Arc::new(backend),
             timeout: config.timeout,
+            metrics: None,
         })
+    }
+
+    /// The store, with the settles it makes on its own, and those made
+    /// through [`Store::settle_counted`], timed and counted in `metrics`
+    /// (`op="settle"`).
+    pub fn counted_in(self, metrics: Metrics) -> Self {
+        Self {
+            metrics: Some(metrics),
+            ..self
+        }
     }
 
     /// Makes `runtime` the one that talks to the database from now on: for
@@ -375,6 +390,16 @@ impl Store {
     /// See [`Backend::ping`].
     pub async fn ping(&self) -> Result<(), StoreError> {
         dispatch!(self, backend => backend.ping())
+    }
+
+    /// Whether the store would take claims now, as `/readyz` tells it: it
+    /// answers ([`Store::ping`]) and, for SQLite, its write lock can be had.
+    pub async fn ready(&self) -> Result<(), StoreError> {
+        self.ping().await?;
+        match &*self.backend {
+            AnyBackend::Postgres(_) => Ok(()),
+            AnyBackend::Sqlite(backend) => backend.take_write_lock().await,
+        }
     }
 
     /// See [`Backend::queue_claim`]. A claim that outlasts `store.timeout`
@@ -413,7 +438,7 @@ impl Store {
             _ => return,
         };
         match self
-            .settle(&source, &key, fence, Settlement::RELEASED)
+            .settle_counted(&source, &key, fence, Settlement::RELEASED)
             .await
         {
             Ok(_) => tracing::warn!(
@@ -476,6 +501,22 @@ impl Store {
         self.within_timeout(&mut write)
             .await
             .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+    }
+
+    /// [`Store::settle`], timed and counted in the metrics given to
+    /// [`Store::counted_in`], for settles no request's path times.
+    pub async fn settle_counted(
+        &self,
+        source: &str,
+        key: &str,
+        fence: Fence,
+        settlement: Settlement,
+    ) -> Result<bool, StoreError> {
+        let settle = self.settle(source, key, fence, settlement);
+        match &self.metrics {
+            Some(metrics) => metrics.time_store("settle", settle).await,
+            None => settle.await,
+        }
     }
 
     /// See [`Backend::list`].

@@ -198,7 +198,7 @@ impl OpenClaims {
         loop {
             let settles = pending.iter().map(|claim| {
                 let settlement = claim.outcome.unwrap_or(Settlement::RELEASED);
-                store.settle(&claim.source, &claim.key, claim.fence, settlement)
+                store.settle_counted(&claim.source, &claim.key, claim.fence, settlement)
             });
             let results = futures_util::future::join_all(settles).await;
             let mut failed = Vec::new();
@@ -296,6 +296,35 @@ mod tests {
             first_payload_sha256: Some(FIRST),
             outcome: None,
         }
+    }
+
+    /// The final settles at shutdown are timed like a request's, and a
+    /// store that fails them is counted: `/metrics` is still served then.
+    #[tokio::test]
+    async fn final_settles_are_timed_and_their_failures_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dedupe.db");
+        let config = crate::config::StoreConfig {
+            url: format!("sqlite://{}", path.display()),
+            ..crate::config::StoreConfig::default()
+        };
+        let metrics = crate::metrics::Metrics::new();
+        let store = Store::open(&config).unwrap().counted_in(metrics.clone());
+        store.migrate().await.unwrap();
+        rusqlite::Connection::open(&path)
+            .unwrap()
+            .execute_batch("DROP TABLE processed_events")
+            .unwrap();
+        let claims = Arc::new(OpenClaims::default());
+        let _open = claims.register(claim("k")).unwrap();
+        let deadline = Instant::now();
+        claims.settle_all(&store, deadline).await;
+        let exposed = metrics.render();
+        assert!(
+            exposed.contains("dedupe_store_errors_total{op=\"settle\"} 1\n")
+                && exposed.contains("dedupe_store_duration_seconds_count{op=\"settle\"} 1\n"),
+            "{exposed}"
+        );
     }
 
     fn has_unwritten_outcome(claims: &OpenClaims, source: &str, key: &str) -> bool {

@@ -125,6 +125,15 @@ impl SqliteStore {
         })
     }
 
+    /// Whether claims could be written now: the database's write lock can be
+    /// had within `store.timeout`. A reader's probe passes while another
+    /// process holds the lock (WAL lets reads through) or the disk refuses
+    /// writes, and every claim fails meanwhile.
+    pub(super) async fn take_write_lock(&self) -> Result<(), StoreError> {
+        self.call(|connection| connection.execute_batch("BEGIN IMMEDIATE; ROLLBACK"))
+            .await
+    }
+
     /// Runs `work` on the store's thread, on its own.
     async fn call<T: Send + 'static>(
         &self,

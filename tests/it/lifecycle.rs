@@ -439,6 +439,33 @@ async fn readyz_answers_503_once_the_sqlite_files_are_deleted_or_replaced() {
     }
 }
 
+/// Another process holding the SQLite database's write lock: reads still
+/// pass (WAL), every claim fails, and readiness says so until it lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_answers_503_while_another_process_holds_the_sqlite_write_lock() {
+    let store = Arc::new(TestStore::new(Backend::Sqlite).await);
+    let app = TestApp::start(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.timeout = Duration::from_millis(300);
+    })
+    .await;
+    assert_eq!(app.admin_get("/readyz").await.status, 200);
+    let path = store.url.strip_prefix("sqlite://").unwrap();
+    let holder = rusqlite::Connection::open(path).unwrap();
+    holder.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let not_ready = app.admin_get("/readyz").await;
+    assert_eq!(not_ready.status, 503, "{}", not_ready.body);
+    assert!(
+        not_ready.body.starts_with("store unavailable: ") && not_ready.body.contains("locked"),
+        "{}",
+        not_ready.body
+    );
+    let refused = app.deliver("evt_locked", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
+    holder.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(app.admin_get("/readyz").await.status, 200);
+    assert_eq!(app.deliver("evt_locked", "{}").await.outcome(), "forwarded");
+}
+
 /// A column's type changed under the running proxy (an ALTER TABLE, such as
 /// one mending a type `/readyz` named) does not leave the statements it had
 /// prepared failing: PostgreSQL refuses to run them with another result
