@@ -164,7 +164,7 @@ impl Metrics {
             .expect("valid metric"),
             in_flight: IntGauge::new(
                 "dedupe_in_flight_requests",
-                "Webhook requests being handled.",
+                "Requests being handled on the webhook listener, unmatched ones included.",
             )
             .expect("valid metric"),
             registry: registry.clone(),
