@@ -328,6 +328,7 @@ enum Protocol {
 /// buffer doubled to 16 KiB for the life of the connection.
 async fn sniff(stream: &TcpStream) -> std::io::Result<Protocol> {
     let mut first = [0; H2_PREFACE.len()];
+    let mut sender_closed = false;
     loop {
         let seen = stream.peek(&mut first).await?;
         // An empty peek is the sender closing: HTTP/1 ends that quietly.
@@ -337,11 +338,19 @@ async fn sniff(stream: &TcpStream) -> std::io::Result<Protocol> {
         if seen == H2_PREFACE.len() {
             return Ok(Protocol::Http2);
         }
-        // Part of the preface. Marking the socket not readable makes the
-        // next peek wait for more bytes instead of seeing these again.
+        // Part of the preface, and no more is coming: HTTP/1 answers what
+        // it can of those bytes and ends the connection.
+        if sender_closed {
+            return Ok(Protocol::Http1);
+        }
+        // Marking the socket not readable makes the next peek wait for more
+        // bytes instead of seeing these again; but a sender's close is a
+        // readiness never cleared, and would have every peek return these
+        // bytes at once, in a loop.
         let _ = stream.try_io(Interest::READABLE, || {
             Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
         });
+        sender_closed = stream.ready(Interest::READABLE).await?.is_read_closed();
     }
 }
 
@@ -613,6 +622,23 @@ mod tests {
         let (sender, accepted) = socket_pair().await;
         drop(sender);
         assert_eq!(sniff(&accepted).await.unwrap(), Protocol::Http1);
+    }
+
+    /// A sender that closes after part of the preface sends nothing more:
+    /// waiting for the rest would wake at once, again and again, until the
+    /// header read timeout.
+    #[tokio::test]
+    async fn a_sender_that_closes_after_part_of_the_preface_is_left_to_http1() {
+        use tokio::io::AsyncWriteExt;
+        for part in [&b"P"[..], &H2_PREFACE[..23]] {
+            let (mut sender, accepted) = socket_pair().await;
+            sender.write_all(part).await.unwrap();
+            sender.shutdown().await.unwrap();
+            let sniffed = tokio::time::timeout(Duration::from_secs(30), sniff(&accepted))
+                .await
+                .expect("sniffing ends once the sender has closed");
+            assert_eq!(sniffed.unwrap(), Protocol::Http1);
+        }
     }
 
     /// On loopback, written bytes are in the receiving socket when the write
