@@ -211,6 +211,12 @@ impl Application {
                 "claims still open at shutdown: known outcomes written, the rest released"
             );
         }
+        if !self.proxy.store().finish_releases(deadline.into()).await {
+            tracing::warn!(
+                grace = ?self.shutdown_grace,
+                "shutdown grace period ended with claims answered as timed out still at the store: any that win stay processing until their leases expire (dedupe-proxy keys release frees them)"
+            );
+        }
         drained.release().await;
         admin_stop.cancel();
         let _ = admin_task.await;
@@ -308,12 +314,24 @@ fn http1_builder(header_read_timeout: Duration) -> http1::Builder {
     builder
 }
 
+/// Streams an HTTP/2 connection may have open at once: RFC 9113's
+/// recommended least (hyper's default is 200).
+const HTTP2_MAX_STREAMS: u32 = 100;
+
+/// Bytes of a response an HTTP/2 stream holds while its sender does not
+/// take them: an HTTP/1 connection's buffer (hyper's default is 400 KiB).
+/// A response is released from `max_concurrent_requests` once its head is
+/// made, so what bounds its memory is this, times the streams.
+const HTTP2_SEND_BUFFER_BYTES: usize = MAX_HEADER_LIST_BYTES as usize;
+
 /// hyper's HTTP/2 server, for webhook senders that ask for HTTP/2.
 fn http2_builder() -> http2::Builder<TokioExecutor> {
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
-        .max_header_list_size(MAX_HEADER_LIST_BYTES);
+        .max_header_list_size(MAX_HEADER_LIST_BYTES)
+        .max_concurrent_streams(HTTP2_MAX_STREAMS)
+        .max_send_buf_size(HTTP2_SEND_BUFFER_BYTES);
     builder
 }
 

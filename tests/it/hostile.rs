@@ -753,6 +753,22 @@ async fn an_http1_sender_that_stops_reading_frees_its_upstream_connection() {
     drop(sender);
 }
 
+/// An HTTP/2 connection may open 100 streams at once (RFC 9113's
+/// recommended least), not hyper's 200: each holds up to 64 KiB of a
+/// response its sender does not take, and with the upstream's read-ahead
+/// that bounds what one connection can make the proxy hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_may_open_100_streams() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let (client, _) = http2_client(&app, &h2::client::Builder::new()).await;
+    let request = http::Request::get("http://localhost/elsewhere")
+        .body(())
+        .unwrap();
+    let response = send_whole(client.clone(), request).await.await.unwrap();
+    assert_eq!(response.headers()["x-dedupe-outcome"], "passthrough");
+    assert_eq!(client.current_max_send_streams(), 100);
+}
+
 /// An HTTP/2 sender that takes nothing of a response (its stream's
 /// flow-control window left at zero) has it cut off after
 /// `upstream.timeout`, so the upstream connection the response came on is
