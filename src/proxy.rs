@@ -227,10 +227,17 @@ impl Proxy {
                 Answer::Rejected(Rejection::BadRequest(near_miss.refusal(request.method()))),
                 None,
             ),
-            Err(_) => (
-                Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
-                None,
-            ),
+            Err(_) => {
+                // Refused before a byte of the body is read: drained like a
+                // 413's, so the sender is not cut off writing it and gets
+                // the 503 and its Retry-After.
+                let (parts, body) = request.into_parts();
+                self.discard_rest(&parts, body);
+                (
+                    Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
+                    None,
+                )
+            }
             // Boxed: hyper keeps one slot per connection for this future from
             // the connection's first request to its close, so what it holds
             // inline is memory every idle keep-alive connection pays for.

@@ -114,6 +114,7 @@ impl Answer {
             self,
             Answer::Rejected(Rejection::TooLarge(_) | Rejection::Timeout)
                 | Answer::UpstreamError(UpstreamError::SenderBody(_))
+                | Answer::Unavailable(Unavailable::Overloaded, _)
         )
     }
 

@@ -41,10 +41,13 @@ impl Proxy {
         let collect = self.collect(&mut body, limit, declared, budget);
         match tokio::time::timeout(self.settings.body_read_timeout, collect).await {
             Ok(Ok(collected)) => Ok((parts, collected)),
-            Ok(Err(Refused::Budget)) => Err(Answer::Unavailable(
-                Unavailable::Overloaded,
-                self.settings.retry_after,
-            )),
+            Ok(Err(Refused::Budget)) => {
+                self.discard_rest(&parts, body);
+                Err(Answer::Unavailable(
+                    Unavailable::Overloaded,
+                    self.settings.retry_after,
+                ))
+            }
             Ok(Err(Refused::TooLarge)) => {
                 self.discard_rest(&parts, body);
                 Err(Answer::Rejected(Rejection::TooLarge(limit)))
@@ -56,12 +59,13 @@ impl Proxy {
         }
     }
 
-    /// Reads and drops the rest of a body refused as too large, for at most
+    /// Reads and drops the rest of a body refused (too large, or over the
+    /// buffered-body or concurrency limits), for at most
     /// `limits.body_read_timeout`, before its HTTP/1 connection is closed.
     /// Most clients write the whole body before they read the answer; closed
     /// under them, the socket refuses their writes and they report a broken
     /// connection, never the 413. (HTTP/2 ends the stream alone.)
-    fn discard_rest(&self, parts: &Parts, mut body: Incoming) {
+    pub(super) fn discard_rest(&self, parts: &Parts, mut body: Incoming) {
         if parts.version >= Version::HTTP_2 {
             return;
         }

@@ -136,6 +136,51 @@ async fn requests_over_the_concurrency_limit_get_503(backend: Backend) {
         .await;
 }
 
+/// A sender refused for the concurrency limit that writes its whole body
+/// before it reads gets the 503 (and its Retry-After), not a connection
+/// closed under its writes: the body is read and dropped, then the
+/// connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_refused_for_the_concurrency_limit_is_drained_before_the_close() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const BODY: usize = 4 << 20;
+    let app = Arc::new(
+        TestApp::spawn(Backend::Sqlite, |config| {
+            config.limits.max_concurrent_requests = 1;
+            config.limits.max_body_bytes = 2 * BODY;
+        })
+        .await,
+    );
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_busy", [Behavior::Gate(Arc::clone(&gate))]);
+    let busy = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.deliver("evt_busy", "{}").await }
+    });
+    app.upstream.wait_for(1).await;
+    let mut sender = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    let head = format!(
+        "POST /hooks/orders HTTP/1.1\r\nhost: proxy\r\nx-event-id: evt_big\r\ncontent-length: {BODY}\r\n\r\n"
+    );
+    sender.write_all(head.as_bytes()).await.unwrap();
+    sender
+        .write_all(&vec![b'x'; BODY])
+        .await
+        .expect("the whole body is taken");
+    let mut answer = String::new();
+    sender.read_to_string(&mut answer).await.unwrap();
+    let answer = answer.to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(
+        answer.contains("\r\nretry-after: ") && answer.contains("\r\nconnection: close\r\n"),
+        "{answer}"
+    );
+    gate.open();
+    assert_eq!(busy.await.unwrap().outcome(), "forwarded");
+    assert_eq!(app.upstream.count(), 1);
+}
+
 /// A chunked body's buffer doubles as it fills, and is cut to size once the
 /// body is whole, its surplus given back to the buffered-body budget: a body
 /// of 600,000 one-byte chunks grows a 1 MiB buffer, but holds 600,000 bytes
