@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
 
 use crate::config::StoreConfig;
 use crate::metrics::Metrics;
@@ -307,6 +308,9 @@ pub struct Store {
     /// Where the writes the store makes on its own (a late claim's
     /// release) and [`Store::settle_counted`] are timed and counted.
     metrics: Option<Metrics>,
+    /// Claims answered as timed out, awaited to release them should they
+    /// win: shutdown waits for them (see [`Store::finish_releases`]).
+    late_claims: TaskTracker,
 }
 
 enum AnyBackend {
@@ -352,6 +356,7 @@ impl Store {
             backend: Arc::new(backend),
             timeout: config.timeout,
             metrics: None,
+            late_claims: TaskTracker::new(),
         })
     }
 
@@ -415,7 +420,7 @@ impl Store {
         match tokio::time::timeout(self.timeout, &mut pending).await {
             Ok(answer) => answer.unwrap_or_else(|_| Err(stopped())),
             Err(_) => {
-                tokio::spawn(self.clone().release_if_won(
+                self.late_claims.spawn(self.clone().release_if_won(
                     pending,
                     Arc::clone(&request.source),
                     request.key.clone(),
@@ -423,6 +428,24 @@ impl Store {
                 Err(StoreError::Timeout(self.timeout))
             }
         }
+    }
+
+    /// Waits, until `deadline`, for the claims answered as timed out that
+    /// are still at the store: dropped with the process, one that won would
+    /// leave its key `processing` until its lease ran out. Whether none is
+    /// left.
+    pub async fn finish_releases(&self, deadline: tokio::time::Instant) -> bool {
+        self.late_claims.close();
+        if self.late_claims.is_empty() {
+            return true;
+        }
+        tracing::info!(
+            claims = self.late_claims.len(),
+            "shutdown waits for claims answered as timed out, to release any that win"
+        );
+        tokio::time::timeout_at(deadline, self.late_claims.wait())
+            .await
+            .is_ok()
     }
 
     async fn release_if_won(self, pending: PendingClaim, source: Arc<str>, key: String) {

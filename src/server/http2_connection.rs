@@ -23,7 +23,8 @@ use crate::proxy::Body;
 /// for a request's head: without that, a sender could keep any number of
 /// connections (and their file descriptors) open by sending nothing after
 /// the preface. A sender that does not then close the connection (it never
-/// answers the GOAWAY's ping) has it dropped `idle` later.
+/// answers the GOAWAY's ping) has it dropped `idle` later, or, at shutdown,
+/// once no request has been open on it for a second.
 pub(super) async fn serve_http2<C: GracefulConnection>(
     connection: C,
     shutdown: &CancellationToken,
@@ -34,29 +35,45 @@ pub(super) async fn serve_http2<C: GracefulConnection>(
     let mut cancelled = pin!(shutdown.cancelled());
     let mut timer = pin!(tokio::time::sleep(idle));
     let mut told = None;
+    let goaway_answer_wait = idle.min(GOAWAY_ANSWER_WAIT);
     poll_fn(|cx| {
         if told.is_none() && cancelled.as_mut().poll(cx).is_ready() {
             told = Some(Told::Shutdown);
             connection.as_mut().graceful_shutdown();
+            timer
+                .as_mut()
+                .reset(tokio::time::Instant::now() + goaway_answer_wait);
         }
         while timer.as_mut().poll(cx).is_ready() {
             let now = tokio::time::Instant::now();
-            match (told, requests.idle_until(now, idle)) {
-                (Some(Told::Idle), _) => return Poll::Ready(Ok(())),
-                (None, None) => {
-                    told = Some(Told::Idle);
-                    connection.as_mut().graceful_shutdown();
-                    timer.as_mut().reset(now + idle);
-                }
-                // Shutting down already: its grace period bounds the rest.
-                (Some(Told::Shutdown), None) => timer.as_mut().reset(now + idle),
-                (_, Some(deadline)) => timer.as_mut().reset(deadline),
+            match told {
+                Some(Told::Idle) => return Poll::Ready(Ok(())),
+                // Shutting down: once no request has been open for a while,
+                // a sender that has not closed the connection (it never
+                // answered the GOAWAY's ping, a half-open connection) would
+                // hold the whole shutdown for its grace period.
+                Some(Told::Shutdown) => match requests.idle_until(now, goaway_answer_wait) {
+                    None => return Poll::Ready(Ok(())),
+                    Some(deadline) => timer.as_mut().reset(deadline),
+                },
+                None => match requests.idle_until(now, idle) {
+                    None => {
+                        told = Some(Told::Idle);
+                        connection.as_mut().graceful_shutdown();
+                        timer.as_mut().reset(now + idle);
+                    }
+                    Some(deadline) => timer.as_mut().reset(deadline),
+                },
             }
         }
         connection.as_mut().poll(cx)
     })
     .await
 }
+
+/// How long a connection with no open request has, once shutdown began, to
+/// answer the GOAWAY's ping and close: a round trip, with room to spare.
+const GOAWAY_ANSWER_WAIT: Duration = Duration::from_secs(1);
 
 /// Why an HTTP/2 connection was asked to finish.
 #[derive(Clone, Copy)]

@@ -439,6 +439,29 @@ async fn readyz_answers_503_once_the_sqlite_files_are_deleted_or_replaced() {
     }
 }
 
+/// An HTTP/2 connection with no request open whose sender never answers the
+/// GOAWAY's ping (a half-open connection, say) is dropped soon after
+/// shutdown begins, not held for the whole grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_that_ignores_the_goaway_does_not_hold_shutdown() {
+    let mut app = TestApp::spawn(Backend::Sqlite, |config| {
+        // Longer than TestApp::shutdown waits.
+        config.shutdown_grace = Duration::from_secs(90);
+        config.limits.header_read_timeout = Duration::from_secs(90);
+    })
+    .await;
+    let mut silent = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    silent
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    // The server's SETTINGS: the connection is served.
+    let mut first = [0u8; 9];
+    silent.read_exact(&mut first).await.unwrap();
+    assert_eq!(first[3], 0x4, "a SETTINGS frame");
+    app.shutdown().await;
+}
+
 /// Another process holding the SQLite database's write lock: reads still
 /// pass (WAL), every claim fails, and readiness says so until it lets go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -919,6 +942,56 @@ async fn shutdown_waits_for_a_delivery_whose_http2_sender_has_gone() {
         "the application's answer was written before exit"
     );
     assert_eq!(upstream.count(), 1);
+}
+
+/// A claim answered as timed out (its row held by another transaction) is
+/// still at the database when shutdown begins: shutdown waits for it, within
+/// the grace period, and releases it once it wins, rather than exiting and
+/// leaving the key `processing` until its lease expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_a_claim_answered_as_timed_out_and_releases_it() {
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nshutdown_grace: 20s\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}', timeout: 300ms }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url(),
+        store.url
+    );
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    let holder = store.postgres().await;
+    holder
+        .batch_execute(
+            "BEGIN; INSERT INTO processed_events (source, event_id, status) VALUES ('orders', 'evt_late', 'done')",
+        )
+        .await
+        .unwrap();
+    let timed_out = crate::cli::post_webhook(proxy.addr, "evt_late", "{}".into()).await;
+    assert_eq!(
+        (timed_out.status, timed_out.outcome()),
+        (503, "unavailable")
+    );
+    proxy.terminate();
+    proxy
+        .wait_for_log("shutdown waits for claims answered as timed out")
+        .await;
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert!(proxy.wait().await.success());
+    let row = store
+        .postgres()
+        .await
+        .query_one(
+            "SELECT status, attempts FROM processed_events WHERE source = 'orders' AND event_id = 'evt_late'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, i32>(1)),
+        ("failed".to_owned(), 1),
+        "released, so the sender's retry is forwarded"
+    );
+    assert_eq!(upstream.count(), 0);
 }
 
 /// Delivers `key` again until it is answered `duplicate` (its outcome was
