@@ -104,18 +104,19 @@ upstream set by the chart.
 
 {{/*
 Whole seconds (rounded up) of a duration written as the proxy reads it with
-the units ms, s, m and h, e.g. 25s or 1m30s.
+the units ms, s, m, h and d, e.g. 25s or 1m30s: (list "field.name" value).
 */}}
 {{- define "dedupe-proxy.seconds" -}}
-{{- $text := . | toString | nospace -}}
-{{- if not (regexMatch "^([0-9]+(ms|s|m|h))+$" $text) -}}
-{{- fail (printf "config.shutdown_grace %q: write it with ms, s, m or h (e.g. 25s, 1m30s) so the chart can derive terminationGracePeriodSeconds" $text) -}}
+{{- $field := index . 0 -}}
+{{- $text := index . 1 | toString | nospace -}}
+{{- if not (regexMatch "^([0-9]+(ms|s|m|h|d))+$" $text) -}}
+{{- fail (printf "config.%s %q: write it with ms, s, m, h or d (e.g. 25s, 1m30s) so the chart can derive terminationGracePeriodSeconds" $field $text) -}}
 {{- end -}}
 {{- $ms := 0 -}}
-{{- range regexFindAll "[0-9]+(ms|s|m|h)" $text -1 -}}
+{{- range regexFindAll "[0-9]+(ms|s|m|h|d)" $text -1 -}}
 {{- $n := regexFind "^[0-9]+" . -}}
 {{- $unit := trimPrefix $n . -}}
-{{- $factor := get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit -}}
+{{- $factor := get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 "d" 86400000) $unit -}}
 {{- $ms = add $ms (mul (int $n) $factor) -}}
 {{- end -}}
 {{- div (add $ms 999) 1000 -}}
@@ -127,16 +128,26 @@ the units ms, s, m and h, e.g. 25s or 1m30s.
 {{- else -}}0{{- end -}}
 {{- end -}}
 
-{{/* preStop delay + shutdown_grace + margin, so SIGKILL never cuts the drain short. */}}
+{{/*
+preStop delay + shutdown_grace + store.timeout (the final writes of claims
+still open take up to one) + margin, so SIGKILL never cuts the drain short.
+*/}}
 {{- define "dedupe-proxy.terminationGracePeriodSeconds" -}}
-{{- $grace := include "dedupe-proxy.seconds" (.Values.config.shutdown_grace | default "25s") | int -}}
-{{- add (include "dedupe-proxy.preStopSleep" . | int) $grace (int .Values.terminationGraceExtraSeconds) -}}
+{{- $grace := include "dedupe-proxy.seconds" (list "shutdown_grace" (.Values.config.shutdown_grace | default "25s")) | int -}}
+{{- $storeTimeout := include "dedupe-proxy.seconds" (list "store.timeout" ((.Values.config.store | default dict).timeout | default "2s")) | int -}}
+{{- add (include "dedupe-proxy.preStopSleep" . | int) $grace $storeTimeout (int .Values.terminationGraceExtraSeconds) -}}
 {{- end -}}
 
 {{/* Checks across values that the schema cannot express. */}}
 {{- define "dedupe-proxy.validate" -}}
 {{- if and (include "dedupe-proxy.sqlite" .) (gt (int .Values.replicaCount) 1) -}}
 {{- fail "replicaCount > 1 needs the PostgreSQL store (storeUrlSecret): each pod's SQLite file would only see its own deliveries" -}}
+{{- end -}}
+{{- if include "dedupe-proxy.sqlite" . -}}
+{{- $path := trimPrefix "sqlite://" ((.Values.config.store | default dict).url | default "sqlite://dedupe.db") -}}
+{{- if or (and (hasPrefix "/" $path) (not (hasPrefix "/data/" $path))) (contains ".." $path) -}}
+{{- fail (printf "config.store.url: the SQLite file %q must be on the persistent volume, under /data (a relative path is, e.g. sqlite://dedupe.db): elsewhere the read-only root filesystem refuses it, and its keys would not outlive the pod" $path) -}}
+{{- end -}}
 {{- end -}}
 {{- if and (include "dedupe-proxy.sqlite" .) (not .Values.persistence.enabled) -}}
 {{- fail "the SQLite store needs persistence.enabled: on an emptyDir its keys are lost with the pod, and events processed before a restart or a rollout are forwarded again; or use PostgreSQL (storeUrlSecret)" -}}
@@ -162,9 +173,17 @@ the units ms, s, m and h, e.g. 25s or 1m30s.
 {{- if and .enabled (kindIs "invalid" .minAvailable) (kindIs "invalid" .maxUnavailable) -}}
 {{- fail "podDisruptionBudget: set maxUnavailable or minAvailable" -}}
 {{- end -}}
-{{- if and .enabled (not (kindIs "invalid" .minAvailable)) (not (kindIs "string" .minAvailable)) -}}
-{{- if ge (int .minAvailable) (int $.Values.replicaCount) -}}
+{{- if and .enabled (not (kindIs "invalid" .minAvailable)) -}}
+{{- if kindIs "string" .minAvailable -}}
+{{- if eq (trimSuffix "%" .minAvailable | int) 100 -}}
+{{- fail "podDisruptionBudget.minAvailable must be below 100%, or no pod could ever be evicted and node drains would block" -}}
+{{- end -}}
+{{- else if ge (int .minAvailable) (int $.Values.replicaCount) -}}
 {{- fail "podDisruptionBudget.minAvailable must be below replicaCount, or no pod could ever be evicted and node drains would block" -}}
+{{- end -}}
+{{- else if and .enabled (not (kindIs "invalid" .maxUnavailable)) -}}
+{{- if eq (toString .maxUnavailable | trimSuffix "%" | int) 0 -}}
+{{- fail "podDisruptionBudget.maxUnavailable must be above 0, or no pod could ever be evicted and node drains would block" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
