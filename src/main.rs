@@ -5,10 +5,12 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use anyhow::Context;
 use dedupe_proxy::cli::{Cli, Command, keys};
 use dedupe_proxy::config::Secrets;
 use dedupe_proxy::store::{Migration, Store, StoreError, StoreUrl};
 use dedupe_proxy::{Application, Config, telemetry};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 #[global_allocator]
@@ -67,9 +69,13 @@ async fn main() -> ExitCode {
 }
 
 async fn run(config: &Config) -> anyhow::Result<()> {
+    // Listened for before start-up, so that a SIGTERM or SIGINT arriving
+    // meanwhile (a rollout that changes its mind) is a shutdown, exit 0,
+    // rather than the signal's default: killed.
+    let signals = ShutdownSignals::listen()?;
     let application = Application::build(config).await?;
     let stop = CancellationToken::new();
-    tokio::spawn(stop_on_signal(stop.clone()));
+    tokio::spawn(signals.stop_on_first(stop.clone()));
     application.run_until_stopped(stop).await;
     Ok(())
 }
@@ -116,12 +122,26 @@ async fn migrate(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn stop_on_signal(stop: CancellationToken) {
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-        _ = terminate.recv() => tracing::info!("SIGTERM: shutting down"),
+/// SIGTERM and SIGINT, listened for from the moment this is made.
+struct ShutdownSignals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl ShutdownSignals {
+    fn listen() -> anyhow::Result<Self> {
+        let listen = |kind| signal(kind).context("cannot listen for shutdown signals");
+        Ok(Self {
+            terminate: listen(SignalKind::terminate())?,
+            interrupt: listen(SignalKind::interrupt())?,
+        })
     }
-    stop.cancel();
+
+    async fn stop_on_first(mut self, stop: CancellationToken) {
+        tokio::select! {
+            _ = self.interrupt.recv() => tracing::info!("SIGINT: shutting down"),
+            _ = self.terminate.recv() => tracing::info!("SIGTERM: shutting down"),
+        }
+        stop.cancel();
+    }
 }
