@@ -4,8 +4,8 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use anyhow::Context;
+use clap::Parser;
 use dedupe_proxy::cli::{Cli, Command, keys};
 use dedupe_proxy::config::Secrets;
 use dedupe_proxy::store::{Migration, Store, StoreError, StoreUrl};
