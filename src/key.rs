@@ -361,6 +361,21 @@ mod tests {
     }
 
     #[test]
+    fn an_exponent_is_written_as_the_parser_normalizes_it() {
+        for id in ["2685e3", "2685E+3", "2685e+3"] {
+            assert_eq!(
+                from_body(&json("/id"), &format!(r#"{{"id":{id}}}"#)),
+                Ok(Some("2685e+3".into())),
+                "{id}"
+            );
+        }
+        assert_eq!(
+            from_body(&json("/id"), r#"{"id":-1.5E-7}"#),
+            Ok(Some("-1.5e-7".into()))
+        );
+    }
+
+    #[test]
     fn other_json_values_are_no_key() {
         for body in [
             r#"{"id":""}"#,
