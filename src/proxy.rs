@@ -232,9 +232,12 @@ impl Proxy {
                 // 413's, so the sender is not cut off writing it and gets
                 // the 503 and its Retry-After.
                 let (parts, body) = request.into_parts();
-                self.discard_rest(&parts, body);
+                let body_left = self.discard_rest(&parts, body);
                 (
-                    Answer::Unavailable(Unavailable::Overloaded, self.settings.retry_after),
+                    Answer::Unavailable(
+                        Unavailable::Overloaded { body_left },
+                        self.settings.retry_after,
+                    ),
                     None,
                 )
             }

@@ -95,8 +95,9 @@ pub enum Unavailable {
     /// Too little of the lease was left to forward safely.
     LeaseTooShort,
     /// Over `limits.max_concurrent_requests`, or a body past
-    /// `limits.max_buffered_body_bytes`.
-    Overloaded,
+    /// `limits.max_buffered_body_bytes`; `body_left` when part of the body
+    /// was still to come (its HTTP/1 connection can carry nothing more).
+    Overloaded { body_left: bool },
     /// Won after shutdown had settled the open claims: released instead.
     ShuttingDown,
 }
@@ -114,7 +115,7 @@ impl Answer {
             self,
             Answer::Rejected(Rejection::TooLarge(_) | Rejection::Timeout)
                 | Answer::UpstreamError(UpstreamError::SenderBody(_))
-                | Answer::Unavailable(Unavailable::Overloaded, _)
+                | Answer::Unavailable(Unavailable::Overloaded { body_left: true }, _)
         )
     }
 
@@ -137,7 +138,7 @@ impl Answer {
             Answer::Rejected(Rejection::Signature(_)) => "rejected_signature",
             Answer::Rejected(Rejection::TooLarge(_)) => "rejected_too_large",
             Answer::Rejected(Rejection::PayloadMismatch) => "rejected_payload_mismatch",
-            Answer::Unavailable(Unavailable::Overloaded, _) => "overloaded",
+            Answer::Unavailable(Unavailable::Overloaded { .. }, _) => "overloaded",
             Answer::Unavailable(..) => "store_unavailable",
             Answer::UpstreamError(_) => "upstream_error",
             Answer::ShadowedUpstreamError { enforced, .. } => enforced,
@@ -196,7 +197,7 @@ impl Answer {
                     Unavailable::LeaseTooShort => {
                         "the claim's lease ran short before forwarding; retry later"
                     }
-                    Unavailable::Overloaded => "too many concurrent requests; retry later",
+                    Unavailable::Overloaded { .. } => "too many concurrent requests; retry later",
                     Unavailable::ShuttingDown => "the proxy is shutting down; retry later",
                 };
                 with_retry_after(
@@ -326,7 +327,8 @@ mod tests {
             [
                 Unavailable::Store,
                 Unavailable::LeaseTooShort,
-                Unavailable::Overloaded,
+                Unavailable::Overloaded { body_left: false },
+                Unavailable::Overloaded { body_left: true },
                 Unavailable::ShuttingDown,
             ]
             .map(|why| Answer::Unavailable(why, wait)),
@@ -345,7 +347,7 @@ mod tests {
         }
         for unmatched in [
             Answer::Rejected(Rejection::NoRoute),
-            Answer::Unavailable(Unavailable::Overloaded, Duration::ZERO),
+            Answer::Unavailable(Unavailable::Overloaded { body_left: false }, Duration::ZERO),
             Answer::UpstreamError(UpstreamError::Connect(String::new())),
         ] {
             let outcome = unmatched.metric_outcome();

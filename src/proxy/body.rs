@@ -30,11 +30,7 @@ impl Proxy {
             .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
         let (parts, mut body) = request.into_parts();
         if declared.is_some_and(|length| length > limit as u64) {
-            // A sender waiting for `100 Continue` is refused before it sends
-            // the body; reading it would ask for it.
-            if !expects_continue(&parts) {
-                self.discard_rest(&parts, body);
-            }
+            self.discard_rest(&parts, body);
             return Err(Answer::Rejected(Rejection::TooLarge(limit)));
         }
         let declared = declared.and_then(|length| usize::try_from(length).ok());
@@ -42,9 +38,9 @@ impl Proxy {
         match tokio::time::timeout(self.settings.body_read_timeout, collect).await {
             Ok(Ok(collected)) => Ok((parts, collected)),
             Ok(Err(Refused::Budget)) => {
-                self.discard_rest(&parts, body);
+                let body_left = self.discard_rest(&parts, body);
                 Err(Answer::Unavailable(
-                    Unavailable::Overloaded,
+                    Unavailable::Overloaded { body_left },
                     self.settings.retry_after,
                 ))
             }
@@ -64,15 +60,22 @@ impl Proxy {
     /// `limits.body_read_timeout`, before its HTTP/1 connection is closed.
     /// Most clients write the whole body before they read the answer; closed
     /// under them, the socket refuses their writes and they report a broken
-    /// connection, never the 413. (HTTP/2 ends the stream alone.)
-    pub(super) fn discard_rest(&self, parts: &Parts, mut body: Incoming) {
-        if parts.version >= Version::HTTP_2 {
-            return;
+    /// connection, never the answer. (HTTP/2 ends the stream alone.) Whether
+    /// any of the body was left, so that the connection must close.
+    pub(super) fn discard_rest(&self, parts: &Parts, mut body: Incoming) -> bool {
+        if parts.version >= Version::HTTP_2 || hyper::body::Body::is_end_stream(&body) {
+            return false;
+        }
+        // A sender waiting for `100 Continue` is refused before it sends the
+        // body; reading it would ask for it.
+        if expects_continue(parts) {
+            return true;
         }
         let timeout = self.settings.body_read_timeout;
         tokio::spawn(tokio::time::timeout(timeout, async move {
             while let Some(Ok(_)) = body.frame().await {}
         }));
+        true
     }
 
     /// Reads the body whole, up to `limit` bytes; the body is left where it

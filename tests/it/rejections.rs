@@ -176,9 +176,33 @@ async fn a_body_refused_for_the_concurrency_limit_is_drained_before_the_close() 
         answer.contains("\r\nretry-after: ") && answer.contains("\r\nconnection: close\r\n"),
         "{answer}"
     );
+    // A request without a body leaves nothing unread: its connection is
+    // kept, and carries the next request once there is room.
+    let mut kept = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    let bodyless = b"GET /elsewhere HTTP/1.1\r\nhost: proxy\r\n\r\n";
+    kept.write_all(bodyless).await.unwrap();
+    let head = read_response_head(&mut kept).await;
+    assert!(head.starts_with("http/1.1 503"), "{head}");
+    assert!(!head.contains("\r\nconnection: close"), "{head}");
     gate.open();
     assert_eq!(busy.await.unwrap().outcome(), "forwarded");
-    assert_eq!(app.upstream.count(), 1);
+    kept.write_all(bodyless).await.unwrap();
+    let head = read_response_head(&mut kept).await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert_eq!(app.upstream.count(), 2);
+}
+
+/// A response's head and as much of its body as came with it, lower-cased.
+async fn read_response_head(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut read = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !read.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buffer).await.unwrap();
+        assert!(n > 0, "closed before a response head");
+        read.extend_from_slice(&buffer[..n]);
+    }
+    String::from_utf8_lossy(&read).to_ascii_lowercase()
 }
 
 /// A chunked body's buffer doubles as it fills, and is cut to size once the
