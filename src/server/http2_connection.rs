@@ -37,9 +37,14 @@ pub(super) async fn serve_http2<C: GracefulConnection>(
     let mut told = None;
     let goaway_answer_wait = idle.min(GOAWAY_ANSWER_WAIT);
     poll_fn(|cx| {
-        if told.is_none() && cancelled.as_mut().poll(cx).is_ready() {
+        if !matches!(told, Some(Told::Shutdown)) && cancelled.as_mut().poll(cx).is_ready() {
+            // One told already that it was idle has had its GOAWAY; it too
+            // now gets only the shutdown's short wait, not the rest of
+            // `idle`.
+            if told.is_none() {
+                connection.as_mut().graceful_shutdown();
+            }
             told = Some(Told::Shutdown);
-            connection.as_mut().graceful_shutdown();
             timer
                 .as_mut()
                 .reset(tokio::time::Instant::now() + goaway_answer_wait);
