@@ -36,9 +36,6 @@ use crate::config::UpstreamConfig;
 use crate::error_chain;
 use crate::tls::{self, TlsError};
 
-/// The most an upstream connection reads ahead (its response head included).
-const UPSTREAM_BUFFER_BYTES: usize = 64 * 1024;
-
 thread_local! {
     static LANE: Cell<usize> = const { Cell::new(0) };
 }
@@ -251,13 +248,7 @@ impl Pool {
             .call(self.origin.clone())
             .await
             .map_err(|error| UpstreamError::Connect(error_chain(&*error)))?;
-        // hyper's default lets a fast upstream's reads grow to about
-        // 400 KiB, each held by its response until the sender takes it: a
-        // sender's HTTP/1 connection buffers at most 64 KiB, and so does
-        // the upstream's.
-        let (sender, connection) = http1::Builder::new()
-            .max_buf_size(UPSTREAM_BUFFER_BYTES)
-            .handshake(io)
+        let (sender, connection) = http1::handshake(io)
             .await
             .map_err(|error| UpstreamError::Connect(error_chain(&error)))?;
         let (reset, to_reset) = oneshot::channel();
