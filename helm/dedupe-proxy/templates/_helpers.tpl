@@ -103,23 +103,29 @@ upstream set by the chart.
 {{- end -}}
 
 {{/*
-Whole seconds (rounded up) of a duration written as the proxy reads it with
-the units ms, s, m, h and d, e.g. 25s or 1m30s: (list "field.name" value).
+Whole seconds (rounded up) of a duration written as the proxy reads it
+(humantime's units: ms, s, m, h, d and their longer names, e.g. 25s, 1m30s,
+2sec): (list "field.name" value).
 */}}
 {{- define "dedupe-proxy.seconds" -}}
 {{- $field := index . 0 -}}
 {{- $text := index . 1 | toString | nospace -}}
-{{- if not (regexMatch "^([0-9]+(ms|s|m|h|d))+$" $text) -}}
-{{- fail (printf "config.%s %q: write it with ms, s, m, h or d (e.g. 25s, 1m30s) so the chart can derive terminationGracePeriodSeconds" $field $text) -}}
-{{- end -}}
-{{- $ms := 0 -}}
-{{- range regexFindAll "[0-9]+(ms|s|m|h|d)" $text -1 -}}
+{{- $units := dict "ns" 1 "nsec" 1 "us" 1000 "usec" 1000 "µs" 1000 "ms" 1000000 "msec" 1000000 "s" 1000000000 "sec" 1000000000 "secs" 1000000000 "second" 1000000000 "seconds" 1000000000 "m" 60000000000 "min" 60000000000 "mins" 60000000000 "minute" 60000000000 "minutes" 60000000000 "h" 3600000000000 "hr" 3600000000000 "hrs" 3600000000000 "hour" 3600000000000 "hours" 3600000000000 "d" 86400000000000 "day" 86400000000000 "days" 86400000000000 "w" 604800000000000 "week" 604800000000000 "weeks" 604800000000000 -}}
+{{- $ns := 0 -}}
+{{- $valid := regexMatch "^([0-9]+[a-zµ]+)+$" $text -}}
+{{- range regexFindAll "[0-9]+[a-zµ]+" $text -1 -}}
 {{- $n := regexFind "^[0-9]+" . -}}
 {{- $unit := trimPrefix $n . -}}
-{{- $factor := get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 "d" 86400000) $unit -}}
-{{- $ms = add $ms (mul (int $n) $factor) -}}
+{{- if hasKey $units $unit -}}
+{{- $ns = add $ns (mul (int64 $n) (get $units $unit)) -}}
+{{- else -}}
+{{- $valid = false -}}
 {{- end -}}
-{{- div (add $ms 999) 1000 -}}
+{{- end -}}
+{{- if not $valid -}}
+{{- fail (printf "config.%s %q: write it with ms, s, m, h or d (e.g. 25s, 1m30s) so the chart can derive terminationGracePeriodSeconds" $field $text) -}}
+{{- end -}}
+{{- div (add $ns 999999999) 1000000000 -}}
 {{- end -}}
 
 {{- define "dedupe-proxy.preStopSleep" -}}
@@ -174,11 +180,14 @@ still open take up to one) + margin, so SIGKILL never cuts the drain short.
 {{- fail "podDisruptionBudget: set maxUnavailable or minAvailable" -}}
 {{- end -}}
 {{- if and .enabled (not (kindIs "invalid" .minAvailable)) -}}
-{{- if kindIs "string" .minAvailable -}}
-{{- if eq (trimSuffix "%" .minAvailable | int) 100 -}}
-{{- fail "podDisruptionBudget.minAvailable must be below 100%, or no pod could ever be evicted and node drains would block" -}}
+{{- $replicas := int $.Values.replicaCount -}}
+{{- if and (kindIs "string" .minAvailable) (hasSuffix "%" .minAvailable) -}}
+{{- /* Kubernetes rounds a percentage of pods up. */ -}}
+{{- $kept := div (add (mul (trimSuffix "%" .minAvailable | int) $replicas) 99) 100 -}}
+{{- if ge (int $kept) $replicas -}}
+{{- fail (printf "podDisruptionBudget.minAvailable %s of %d replicas rounds up to all of them: no pod could ever be evicted and node drains would block" .minAvailable $replicas) -}}
 {{- end -}}
-{{- else if ge (int .minAvailable) (int $.Values.replicaCount) -}}
+{{- else if ge (int .minAvailable) $replicas -}}
 {{- fail "podDisruptionBudget.minAvailable must be below replicaCount, or no pod could ever be evicted and node drains would block" -}}
 {{- end -}}
 {{- else if and .enabled (not (kindIs "invalid" .maxUnavailable)) -}}
