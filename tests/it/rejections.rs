@@ -113,14 +113,7 @@ async fn unmatched_requests_can_be_rejected_with_404(backend: Backend) {
 async fn requests_over_the_concurrency_limit_get_503(backend: Backend) {
     let app =
         Arc::new(TestApp::spawn(backend, |config| config.limits.max_concurrent_requests = 1).await);
-    let gate = Gate::new();
-    app.upstream
-        .script("evt_busy", [Behavior::Gate(Arc::clone(&gate))]);
-    let busy = tokio::spawn({
-        let app = Arc::clone(&app);
-        async move { app.deliver("evt_busy", "{}").await }
-    });
-    app.upstream.wait_for(1).await;
+    let (gate, busy) = take_the_only_slot(&app).await;
     let refused = app.deliver("evt_other", "{}").await;
     assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
     assert!(refused.header("retry-after").is_some());
@@ -151,14 +144,7 @@ async fn a_body_refused_for_the_concurrency_limit_is_drained_before_the_close() 
         })
         .await,
     );
-    let gate = Gate::new();
-    app.upstream
-        .script("evt_busy", [Behavior::Gate(Arc::clone(&gate))]);
-    let busy = tokio::spawn({
-        let app = Arc::clone(&app);
-        async move { app.deliver("evt_busy", "{}").await }
-    });
-    app.upstream.wait_for(1).await;
+    let (gate, busy) = take_the_only_slot(&app).await;
     let mut sender = tokio::net::TcpStream::connect(app.addr).await.unwrap();
     let head = format!(
         "POST /hooks/orders HTTP/1.1\r\nhost: proxy\r\nx-event-id: evt_big\r\ncontent-length: {BODY}\r\n\r\n"
@@ -203,6 +189,25 @@ async fn read_response_head(stream: &mut tokio::net::TcpStream) -> String {
         read.extend_from_slice(&buffer[..n]);
     }
     String::from_utf8_lossy(&read).to_ascii_lowercase()
+}
+
+/// Delivers `evt_busy`, held at the upstream until the gate opens, on an
+/// app with `max_concurrent_requests: 1`: returns once it holds the slot.
+async fn take_the_only_slot(
+    app: &Arc<TestApp>,
+) -> (
+    Arc<Gate>,
+    tokio::task::JoinHandle<crate::support::TestResponse>,
+) {
+    let gate = Gate::new();
+    app.upstream
+        .script("evt_busy", [Behavior::Gate(Arc::clone(&gate))]);
+    let busy = tokio::spawn({
+        let app = Arc::clone(app);
+        async move { app.deliver("evt_busy", "{}").await }
+    });
+    app.upstream.wait_for(1).await;
+    (gate, busy)
 }
 
 /// A chunked body's buffer doubles as it fills, and is cut to size once the
