@@ -319,6 +319,15 @@ enum AnyBackend {
 }
 
 macro_rules! dispatch {
+    // For writes whose backends bound themselves by `store.timeout` and
+    // answer what happened: cut short from outside, a write could commit
+    // after its caller was told it timed out.
+    (own_deadline $self:ident, $backend:ident => $call:expr) => {{
+        match &*$self.backend {
+            AnyBackend::Postgres($backend) => $call.await,
+            AnyBackend::Sqlite($backend) => $call.await,
+        }
+    }};
     ($self:ident, $backend:ident => $call:expr) => {{
         let call = async {
             match &*$self.backend {
@@ -554,17 +563,17 @@ impl Store {
 
     /// See [`Backend::forget`].
     pub async fn forget(&self, source: &str, key: &str, force: bool) -> Result<Forget, StoreError> {
-        dispatch!(self, backend => backend.forget(source, key, force))
+        dispatch!(own_deadline self, backend => backend.forget(source, key, force))
     }
 
     /// See [`Backend::release`].
     pub async fn release(&self, source: &str, key: &str) -> Result<Release, StoreError> {
-        dispatch!(self, backend => backend.release(source, key))
+        dispatch!(own_deadline self, backend => backend.release(source, key))
     }
 
     /// See [`Backend::prune`]; the loop over batches is [`crate::prune`]'s.
     pub async fn prune(&self, group: &PruneGroup, limit: u32) -> Result<PruneBatch, StoreError> {
-        dispatch!(self, backend => backend.prune(group, limit))
+        dispatch!(own_deadline self, backend => backend.prune(group, limit))
     }
 }
 

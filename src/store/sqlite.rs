@@ -9,7 +9,7 @@ mod keys;
 mod sql;
 
 use std::path::Path;
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, OnceLock, mpsc};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{Connection, OptionalExtension, params};
@@ -147,6 +147,39 @@ impl SqliteStore {
         result.await.map_err(|_| stopped())?
     }
 
+    /// Runs `work` on the store's thread in a transaction that takes the
+    /// write lock first, and commits it only if its caller still waits for
+    /// the answer. The caller waits `store.timeout`; past it, a write not yet
+    /// committing is abandoned (rolled back, or never begun) and answered
+    /// [`StoreError::Timeout`], and a commit already begun is waited for.
+    /// SQLite's own wait for the lock is as long, so without this a lock
+    /// freed at the last moment let the write commit after its caller had
+    /// been told it timed out: an operator's `keys forget` said it failed
+    /// and had forgotten the key.
+    async fn call_decisive<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let verdict = Arc::new(Verdict::default());
+        let (reply, mut result) = oneshot::channel();
+        let job_verdict = Arc::clone(&verdict);
+        let job = Job::Alone(Box::new(move |connection| {
+            let _ = reply.send(commit_unless_abandoned(connection, &job_verdict, work));
+        }));
+        // A caller dropped before the write commits (its own deadline, the
+        // operator's Ctrl-C) abandons it too: no one would be told.
+        let abandon_if_dropped = AbandonOnDrop(verdict);
+        self.jobs.send(job).map_err(|_| stopped())?;
+        let answer = match tokio::time::timeout(self.give_up_after, &mut result).await {
+            Ok(answer) => answer,
+            Err(_) if abandon_if_dropped.0.decide(Verdict::ABANDON) => {
+                return Err(StoreError::Timeout(self.give_up_after));
+            }
+            Err(_) => result.await,
+        };
+        answer.map_err(|_| stopped())?
+    }
+
     /// Runs `work` on the store's thread as part of a group commit; the
     /// result is returned only once it is durable.
     async fn call_grouped<T: Send + 'static>(
@@ -268,6 +301,52 @@ fn commit_group(connection: &Connection, group: Vec<Grouped>) {
     for answer in answers {
         answer(committed.as_ref().map(|_| ()).map_err(String::as_str));
     }
+}
+
+/// Whether an operator's write commits: decided once, by the write about to
+/// commit or by its caller giving up, whichever comes first.
+#[derive(Default)]
+struct Verdict(OnceLock<bool>);
+
+impl Verdict {
+    const COMMIT: bool = true;
+    const ABANDON: bool = false;
+
+    /// Whether this decision is the one that counts.
+    fn decide(&self, commit: bool) -> bool {
+        self.0.set(commit).is_ok()
+    }
+}
+
+struct AbandonOnDrop(Arc<Verdict>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.decide(Verdict::ABANDON);
+    }
+}
+
+fn commit_unless_abandoned<T>(
+    connection: &mut Connection,
+    verdict: &Verdict,
+    work: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+) -> Result<T, StoreError> {
+    let abandoned = || StoreError::Sqlite("abandoned by its caller, nothing was written".into());
+    // Not begun at all when the caller has already gone: beginning would
+    // wait for the write lock to no purpose, holding up the jobs behind.
+    if verdict.0.get() == Some(&Verdict::ABANDON) {
+        return Err(abandoned());
+    }
+    let transaction = connection
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(sqlite_error)?;
+    let value = work(&transaction).map_err(sqlite_error)?;
+    if !verdict.decide(Verdict::COMMIT) {
+        // Dropping the transaction rolls it back.
+        return Err(abandoned());
+    }
+    transaction.commit().map_err(sqlite_error)?;
+    Ok(value)
 }
 
 /// Runs `work` so that its failure undoes only its own writes.
@@ -433,19 +512,21 @@ impl Backend for SqliteStore {
 
     async fn forget(&self, source: &str, key: &str, force: bool) -> Result<Forget, StoreError> {
         let (keys, source, key) = (Arc::clone(&self.keys), source.to_owned(), key.to_owned());
-        self.call(move |connection| keys.forget(connection, &source, &key, force, now_ms()))
-            .await
+        self.call_decisive(move |connection| {
+            keys.forget(connection, &source, &key, force, now_ms())
+        })
+        .await
     }
 
     async fn release(&self, source: &str, key: &str) -> Result<Release, StoreError> {
         let (keys, source, key) = (Arc::clone(&self.keys), source.to_owned(), key.to_owned());
-        self.call(move |connection| keys.release(connection, &source, &key, now_ms()))
+        self.call_decisive(move |connection| keys.release(connection, &source, &key, now_ms()))
             .await
     }
 
     async fn prune(&self, group: &PruneGroup, limit: u32) -> Result<PruneBatch, StoreError> {
         let (keys, group) = (Arc::clone(&self.keys), group.clone());
-        self.call(move |connection| keys.prune(connection, &group, limit, now_ms()))
+        self.call_decisive(move |connection| keys.prune(connection, &group, limit, now_ms()))
             .await
     }
 }
@@ -528,6 +609,70 @@ mod tests {
             "{answer:?}"
         );
         assert_eq!(rows(&store).await, 0);
+    }
+
+    #[tokio::test]
+    async fn an_operator_write_still_queued_when_its_caller_gives_up_is_not_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let give_up_after = Duration::from_millis(50);
+        let store = open(&dir, give_up_after);
+        store.migrate().await.unwrap();
+        store
+            .queue_claim(&ClaimRequest::for_test("kept"))
+            .unwrap()
+            .await
+            .unwrap()
+            .unwrap();
+        let release = hold_thread(&store);
+        let answer = store.forget("orders", "kept", true).await;
+        assert!(
+            matches!(answer, Err(StoreError::Timeout(limit)) if limit == give_up_after),
+            "{answer:?}"
+        );
+        drop(release);
+        assert_eq!(
+            rows(&store).await,
+            1,
+            "answered as timed out, so not deleted"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_operator_write_that_outlasts_its_caller_is_rolled_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(&dir, Duration::from_millis(50));
+        store.migrate().await.unwrap();
+        let (finish, finished) = mpsc::channel::<()>();
+        let answer = store
+            .call_decisive(move |connection| {
+                connection.execute_batch(
+                    "INSERT INTO processed_events (source, event_id, status, attempts, received_at, claimed_at) VALUES ('src', 'late', 'done', 1, 0, 0)",
+                )?;
+                // Still writing when the caller's wait ends.
+                let _ = finished.recv();
+                Ok(())
+            })
+            .await;
+        assert!(matches!(answer, Err(StoreError::Timeout(_))), "{answer:?}");
+        drop(finish);
+        assert_eq!(
+            rows(&store).await,
+            0,
+            "answered as timed out, so not written"
+        );
+    }
+
+    #[test]
+    fn a_write_that_has_begun_to_commit_cannot_be_abandoned_and_the_reverse() {
+        let committing = Verdict::default();
+        assert!(committing.decide(Verdict::COMMIT));
+        assert!(
+            !committing.decide(Verdict::ABANDON),
+            "the caller waits for the commit"
+        );
+        let abandoned = Arc::new(Verdict::default());
+        drop(AbandonOnDrop(Arc::clone(&abandoned)));
+        assert!(!abandoned.decide(Verdict::COMMIT), "the write rolls back");
     }
 
     #[tokio::test]

@@ -519,3 +519,38 @@ async fn a_held_sqlite_write_lock_is_named_when_a_command_gives_up() {
         0
     );
 }
+
+/// A write that gives up while another transaction holds the key's row
+/// (an application's own transaction on the table, say) is rolled back:
+/// the operator told it timed out can trust nothing changed.
+#[tokio::test]
+async fn a_forget_that_gives_up_on_a_held_row_changes_nothing() {
+    let (db, _) = seeded(Backend::Postgres).await;
+    let holder = db.postgres().await;
+    holder
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM processed_events WHERE source = 'orders' AND event_id = 'evt_done' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    let config = format!(
+        "store: {{ url: '{}', timeout: 300ms }}\nroutes:\n  - {{ name: orders, path: /o, key: {{ header: X-Id }} }}\n",
+        db.url
+    );
+    let out = keys(&["keys", "forget", "orders", "evt_done"], &config);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stderr.contains("timed out"), "{}", out.stderr);
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert!(
+        rows::keys(&db)
+            .await
+            .iter()
+            .any(|key| key.contains("evt_done")),
+        "{:?}",
+        rows::keys(&db).await
+    );
+    assert_eq!(
+        keys(&["keys", "forget", "orders", "evt_done"], &config).code,
+        0
+    );
+}

@@ -5,6 +5,8 @@
 
 use std::time::{Duration, SystemTime};
 
+use tokio::time::Instant;
+
 use tokio_postgres::Row;
 use tokio_postgres::types::Type;
 
@@ -119,59 +121,62 @@ impl PostgresStore {
         key: &str,
         force: bool,
     ) -> Result<Forget, StoreError> {
-        let mut client = self.client().await?;
-        let transaction = read_committed(&mut client).await?;
+        let deadline = Instant::now() + self.claim_timeout;
+        let mut client = self.by(deadline, self.client()).await?;
+        let transaction = self.by(deadline, read_committed(&mut client)).await?;
         let params: &Params<'_> = &[(&source, Type::TEXT), (&key, Type::TEXT)];
-        // Locked, so that no claim takes the key between the look and the
-        // delete.
-        let lease = transaction
-            .query_typed_opt(&self.keys.live_lease_for_update, params)
-            .await
-            .map_err(postgres_error)?;
-        let outcome = match lease.map(|row| row.get::<_, Option<SystemTime>>(0)) {
-            None => Forget::Missing,
-            Some(Some(lease_expires_at)) if !force => Forget::InFlight { lease_expires_at },
-            Some(_) => {
-                transaction
-                    .execute_typed(&self.keys.forget, params)
-                    .await
-                    .map_err(postgres_error)?;
-                Forget::Forgotten
-            }
+        let decide = async {
+            // Locked, so that no claim takes the key between the look and the
+            // delete.
+            let lease = transaction
+                .query_typed_opt(&self.keys.live_lease_for_update, params)
+                .await
+                .map_err(postgres_error)?;
+            Ok(match lease.map(|row| row.get::<_, Option<SystemTime>>(0)) {
+                None => Forget::Missing,
+                Some(Some(lease_expires_at)) if !force => Forget::InFlight { lease_expires_at },
+                Some(_) => {
+                    transaction
+                        .execute_typed(&self.keys.forget, params)
+                        .await
+                        .map_err(postgres_error)?;
+                    Forget::Forgotten
+                }
+            })
         };
-        transaction.commit().await.map_err(postgres_error)?;
+        let outcome = self.by(deadline, decide).await?;
+        self.commit(transaction).await?;
         Ok(outcome)
     }
 
     pub(super) async fn release_key(&self, source: &str, key: &str) -> Result<Release, StoreError> {
-        let mut client = self.client().await?;
-        let transaction = read_committed(&mut client).await?;
-        // Locking the row first makes "missing", "not processing" and the
-        // update one decision.
-        let status = transaction
-            .query_typed_opt(
-                &self.keys.status_for_update,
-                &[(&source, Type::TEXT), (&key, Type::TEXT)],
-            )
-            .await
-            .map_err(postgres_error)?;
-        let outcome = match status.as_ref().map(|row| row.get::<_, &str>(0)) {
-            None => Release::Missing,
-            Some("processing") => {
-                let row = transaction
-                    .query_typed_one(
-                        &self.keys.release,
-                        &[(&source, Type::TEXT), (&key, Type::TEXT)],
-                    )
-                    .await
-                    .map_err(postgres_error)?;
-                Release::Released {
-                    attempt: row.get(0),
+        let deadline = Instant::now() + self.claim_timeout;
+        let mut client = self.by(deadline, self.client()).await?;
+        let transaction = self.by(deadline, read_committed(&mut client)).await?;
+        let params: &Params<'_> = &[(&source, Type::TEXT), (&key, Type::TEXT)];
+        let decide = async {
+            // Locking the row first makes "missing", "not processing" and the
+            // update one decision.
+            let status = transaction
+                .query_typed_opt(&self.keys.status_for_update, params)
+                .await
+                .map_err(postgres_error)?;
+            Ok(match status.as_ref().map(|row| row.get::<_, &str>(0)) {
+                None => Release::Missing,
+                Some("processing") => {
+                    let row = transaction
+                        .query_typed_one(&self.keys.release, params)
+                        .await
+                        .map_err(postgres_error)?;
+                    Release::Released {
+                        attempt: row.get(0),
+                    }
                 }
-            }
-            Some(other) => Release::NotProcessing(status_from(other)?),
+                Some(other) => Release::NotProcessing(status_from(other)?),
+            })
         };
-        transaction.commit().await.map_err(postgres_error)?;
+        let outcome = self.by(deadline, decide).await?;
+        self.commit(transaction).await?;
         Ok(outcome)
     }
 
@@ -186,33 +191,75 @@ impl PostgresStore {
         };
         let older_than_ms =
             i64::try_from(group.older_than.min(LONGEST_HORIZON).as_millis()).unwrap_or(i64::MAX);
-        let mut client = self.client().await?;
-        let transaction = read_committed(&mut client).await?;
-        let locked: bool = transaction
-            .query_typed_one(
-                "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))",
-                &[(&self.keys.prune_lock, Type::TEXT)],
-            )
-            .await
-            .map_err(postgres_error)?
-            .get(0);
-        if !locked {
-            transaction.rollback().await.map_err(postgres_error)?;
-            return Ok(PruneBatch::Busy);
+        let deadline = Instant::now() + self.claim_timeout;
+        let mut client = self.by(deadline, self.client()).await?;
+        let transaction = self.by(deadline, read_committed(&mut client)).await?;
+        let decide = async {
+            let locked: bool = transaction
+                .query_typed_one(
+                    "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))",
+                    &[(&self.keys.prune_lock, Type::TEXT)],
+                )
+                .await
+                .map_err(postgres_error)?
+                .get(0);
+            if !locked {
+                return Ok(None);
+            }
+            transaction
+                .execute_typed(
+                    sql,
+                    &[
+                        (&older_than_ms, Type::INT8),
+                        (sources, Type::TEXT_ARRAY),
+                        (&i64::from(limit), Type::INT8),
+                    ],
+                )
+                .await
+                .map(Some)
+                .map_err(postgres_error)
+        };
+        match self.by(deadline, decide).await? {
+            None => {
+                transaction.rollback().await.map_err(postgres_error)?;
+                Ok(PruneBatch::Busy)
+            }
+            Some(deleted) => {
+                self.commit(transaction).await?;
+                Ok(PruneBatch::Deleted(deleted))
+            }
         }
-        let deleted = transaction
-            .execute_typed(
-                sql,
-                &[
-                    (&older_than_ms, Type::INT8),
-                    (sources, Type::TEXT_ARRAY),
-                    (&i64::from(limit), Type::INT8),
-                ],
-            )
+    }
+
+    /// `step`, unless `deadline` passes first: then `store.timeout`'s error.
+    /// An operator's write is bounded this way up to its `COMMIT`; a step
+    /// cut short leaves its transaction to be rolled back.
+    async fn by<T>(
+        &self,
+        deadline: Instant,
+        step: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout_at(deadline, step)
             .await
-            .map_err(postgres_error)?;
-        transaction.commit().await.map_err(postgres_error)?;
-        Ok(PruneBatch::Deleted(deleted))
+            .unwrap_or(Err(StoreError::Timeout(self.claim_timeout)))
+    }
+
+    /// Commits an operator's write. Once sent, a `COMMIT` may take effect
+    /// whatever its sender does, so it is not cut short by the write's
+    /// deadline: its answer is waited for, up to `store.timeout` more (a
+    /// synchronous standby that is down holds it for ever), and without one
+    /// the error says the change may have been made.
+    async fn commit(
+        &self,
+        transaction: deadpool_postgres::Transaction<'_>,
+    ) -> Result<(), StoreError> {
+        let waited = self.claim_timeout;
+        match tokio::time::timeout(waited, transaction.commit()).await {
+            Ok(committed) => committed.map_err(postgres_error),
+            Err(_) => Err(StoreError::Postgres(format!(
+                "COMMIT was sent and not answered within {waited:?}: the change may or may not have been made (`dedupe-proxy keys show` tells)"
+            ))),
+        }
     }
 }
 

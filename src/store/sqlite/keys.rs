@@ -7,7 +7,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rusqlite::types::Type;
-use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
+use rusqlite::{Connection, OptionalExtension, Row, params};
 
 use crate::store::{
     Forget, KeyFilter, KeyRecord, KeyStatus, PruneBatch, PruneGroup, Release, Sources,
@@ -81,60 +81,56 @@ impl Statements {
             .optional()
     }
 
+    /// In the caller's transaction, which holds the write lock: the look and
+    /// the delete are one decision.
     pub(super) fn forget(
         &self,
-        connection: &mut Connection,
+        connection: &Connection,
         source: &str,
         key: &str,
         force: bool,
         now: i64,
     ) -> rusqlite::Result<Forget> {
-        // IMMEDIATE: the look and the delete are one decision.
-        let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let lease: Option<Option<i64>> = transaction
+        let lease: Option<Option<i64>> = connection
             .prepare_cached(&self.live_lease)?
             .query_row(params![source, key, now], |row| row.get(0))
             .optional()?;
-        let outcome = match lease {
+        Ok(match lease {
             None => Forget::Missing,
             Some(Some(lease_expires_at)) if !force => Forget::InFlight {
                 lease_expires_at: from_ms(lease_expires_at),
             },
             Some(_) => {
-                transaction
+                connection
                     .prepare_cached(&self.forget)?
                     .execute(params![source, key])?;
                 Forget::Forgotten
             }
-        };
-        transaction.commit()?;
-        Ok(outcome)
+        })
     }
 
+    /// In the caller's transaction, which holds the write lock: the status
+    /// read and the update are one decision.
     pub(super) fn release(
         &self,
-        connection: &mut Connection,
+        connection: &Connection,
         source: &str,
         key: &str,
         now: i64,
     ) -> rusqlite::Result<Release> {
-        // IMMEDIATE: the status read and the update are one decision.
-        let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let status: Option<String> = transaction
+        let status: Option<String> = connection
             .prepare_cached(&self.status)?
             .query_row(params![source, key], |row| row.get(0))
             .optional()?;
-        let outcome = match status.as_deref() {
+        Ok(match status.as_deref() {
             None => Release::Missing,
             Some("processing") => Release::Released {
-                attempt: transaction
+                attempt: connection
                     .prepare_cached(&self.release)?
                     .query_row(params![source, key, now], |row| row.get(0))?,
             },
             Some(other) => Release::NotProcessing(status_from(other, 0)?),
-        };
-        transaction.commit()?;
-        Ok(outcome)
+        })
     }
 
     pub(super) fn prune(
