@@ -58,6 +58,8 @@ impl PostgresStore {
         let connect = HomeConnect {
             tls,
             home: home.clone(),
+            host_share: config.timeout
+                / u32::try_from(home::host_count(&pg_config)).unwrap_or(u32::MAX),
         };
         let manager = Manager::from_connect(
             pg_config.clone(),

@@ -909,3 +909,39 @@ async fn forget_waits_for_a_held_row_under_a_serializable_default() {
     );
     assert!(crate::rows::keys(&test_store).await.is_empty());
 }
+
+/// A first host that accepts connections and never answers them (a hung
+/// server, a load balancer with nothing behind it) does not keep the store
+/// from the next host listed: the failover the multi-host URL is for.
+#[tokio::test]
+async fn a_first_host_that_never_answers_is_passed_over_for_the_next() {
+    let db = TestStore::new(Backend::Postgres).await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&accepted);
+    let _silent_host = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(connection);
+        }
+    });
+    let real = db.postgres_addr();
+    let one_host = db.url_via(real);
+    let both = one_host.replacen(&format!("@{real}"), &format!("@{silent_addr},{real}"), 1);
+    assert_ne!(both, one_host);
+    let store = Store::open(&StoreConfig {
+        url: both,
+        timeout: Duration::from_secs(1),
+        ..StoreConfig::default()
+    })
+    .unwrap();
+    store.migrate().await.expect("migrated on the second host");
+    let claim = store.claim(&request("evt", b"{}", MINUTE)).await.unwrap();
+    assert!(matches!(claim, Claim::Won { .. }), "{claim:?}");
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "the silent host was tried first"
+    );
+}

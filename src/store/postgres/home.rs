@@ -9,6 +9,7 @@
 
 use std::sync::{Arc, OnceLock};
 use std::task::Poll;
+use std::time::Duration;
 
 use deadpool_postgres::Connect;
 use futures_util::future::BoxFuture;
@@ -16,6 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tokio_postgres::config::{Host, LoadBalanceHosts};
 use tokio_postgres::error::{DbError, Severity};
 use tokio_postgres::{AsyncMessage, Client, Config, Connection, Error};
 
@@ -41,26 +43,128 @@ impl Home {
 pub(super) struct HomeConnect {
     pub(super) tls: PostgresTls,
     pub(super) home: Home,
+    /// With several hosts in the URL, how long each but the last may take
+    /// to connect, TCP and start-up both, before the next is tried: an equal
+    /// share of `store.timeout`, within which the pool wants a connection.
+    pub(super) host_share: Duration,
 }
 
 type Opened = Result<(Client, JoinHandle<()>), Error>;
 
 impl Connect for HomeConnect {
     fn connect(&self, config: &Config) -> BoxFuture<'_, Opened> {
-        let (config, tls) = (config.clone(), self.tls.clone());
-        let home = self.home.runtime().cloned();
+        let mut hosts = one_config_per_host(config);
+        if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+            fastrand::shuffle(&mut hosts);
+        }
         Box::pin(async move {
-            if let Some(home) = home
-                && let Some(opened) = open_on(&home, config.clone(), tls.clone()).await
-            {
-                return opened;
+            // tokio-postgres tries the hosts in turn too, but bounds only each
+            // TCP connect, not the start-up that follows: a first host that
+            // accepted and never answered (a hung server, a load balancer
+            // with nothing behind it) or took the pool's whole wait to refuse
+            // kept every later one, the one to fail over to, from being
+            // tried. The last host has the rest of the pool's wait.
+            let last = hosts.pop().expect("a parsed URL names a host");
+            for host in hosts {
+                match tokio::time::timeout(self.host_share, self.open(host.clone())).await {
+                    Ok(Ok(opened)) => return Ok(opened),
+                    Ok(Err(error)) => tracing::debug!(
+                        host = ?host.get_hosts(), error = %crate::error_chain(&error),
+                        "PostgreSQL host refused; trying the next"
+                    ),
+                    Err(_) => tracing::debug!(
+                        host = ?host.get_hosts(), waited = ?self.host_share,
+                        "PostgreSQL host did not answer in time; trying the next"
+                    ),
+                }
             }
-            // No home, or it has stopped (the process is shutting down and
-            // settling what is left): the caller's runtime will do.
-            let (client, connection) = config.connect(tls).await?;
-            Ok((client, tokio::spawn(drive(connection))))
+            self.open(last).await
         })
     }
+}
+
+impl HomeConnect {
+    async fn open(&self, config: Config) -> Opened {
+        let tls = self.tls.clone();
+        if let Some(home) = self.home.runtime()
+            && let Some(opened) = open_on(home, config.clone(), tls.clone()).await
+        {
+            return opened;
+        }
+        // No home, or it has stopped (the process is shutting down and
+        // settling what is left): the caller's runtime will do.
+        let (client, connection) = config.connect(tls).await?;
+        Ok((client, tokio::spawn(drive(connection))))
+    }
+}
+
+/// How many hosts `config` lists (a host, a `hostaddr`, or both).
+pub(super) fn host_count(config: &Config) -> usize {
+    config
+        .get_hosts()
+        .len()
+        .max(config.get_hostaddrs().len())
+        .max(1)
+}
+
+/// `config` once for each host it lists, in order, each naming that host
+/// alone (its `hostaddr` and port with it) and keeping every other setting.
+fn one_config_per_host(config: &Config) -> Vec<Config> {
+    if host_count(config) == 1 {
+        return vec![config.clone()];
+    }
+    (0..host_count(config))
+        .map(|index| {
+            let mut one = Config::new();
+            if let Some(user) = config.get_user() {
+                one.user(user);
+            }
+            if let Some(password) = config.get_password() {
+                one.password(password);
+            }
+            if let Some(dbname) = config.get_dbname() {
+                one.dbname(dbname);
+            }
+            if let Some(options) = config.get_options() {
+                one.options(options);
+            }
+            if let Some(name) = config.get_application_name() {
+                one.application_name(name);
+            }
+            one.ssl_mode(config.get_ssl_mode())
+                .ssl_negotiation(config.get_ssl_negotiation());
+            match config.get_hosts().get(index) {
+                Some(Host::Tcp(host)) => drop(one.host(host)),
+                Some(Host::Unix(path)) => drop(one.host_path(path)),
+                None => {}
+            }
+            if let Some(&address) = config.get_hostaddrs().get(index) {
+                one.hostaddr(address);
+            }
+            let ports = config.get_ports();
+            if let Some(&port) = ports.get(index).or(ports.first()) {
+                one.port(port);
+            }
+            if let Some(&timeout) = config.get_connect_timeout() {
+                one.connect_timeout(timeout);
+            }
+            if let Some(&timeout) = config.get_tcp_user_timeout() {
+                one.tcp_user_timeout(timeout);
+            }
+            one.keepalives(config.get_keepalives())
+                .keepalives_idle(config.get_keepalives_idle());
+            if let Some(interval) = config.get_keepalives_interval() {
+                one.keepalives_interval(interval);
+            }
+            if let Some(retries) = config.get_keepalives_retries() {
+                one.keepalives_retries(retries);
+            }
+            one.target_session_attrs(config.get_target_session_attrs())
+                .channel_binding(config.get_channel_binding())
+                .load_balance_hosts(config.get_load_balance_hosts());
+            one
+        })
+        .collect()
 }
 
 /// Opens a connection in a task on `runtime`, which then drives it; `None`
@@ -141,6 +245,33 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn each_host_s_config_keeps_every_other_setting() {
+        let settings = "sslmode=disable&connect_timeout=3&keepalives_idle=20&keepalives_interval=4&keepalives_retries=2&application_name=x&target_session_attrs=read-write&options=-c%20a%3Db&tcp_user_timeout=5000&channel_binding=disable&load_balance_hosts=random";
+        let all: Config = format!("postgres://u:pw@db1:5433,db2:5434/app?{settings}")
+            .parse()
+            .unwrap();
+        let hosts = one_config_per_host(&all);
+        assert_eq!(hosts.len(), 2);
+        for (one, host) in hosts.iter().zip(["db1:5433", "db2:5434"]) {
+            let alone: Config = format!("postgres://u:pw@{host}/app?{settings}")
+                .parse()
+                .unwrap();
+            assert_eq!(format!("{one:?}"), format!("{alone:?}"));
+            assert_eq!(one.get_password(), Some(&b"pw"[..]));
+        }
+        let one_port: Config = "host=db1,db2 hostaddr=10.0.0.1,10.0.0.2 port=6000 user=u"
+            .parse()
+            .unwrap();
+        let hosts = one_config_per_host(&one_port);
+        assert_eq!(hosts[1].get_ports(), [6000]);
+        assert_eq!(
+            hosts[1].get_hostaddrs(),
+            ["10.0.0.2".parse::<std::net::IpAddr>().unwrap()]
+        );
+        assert_eq!(hosts[1].get_hosts(), [Host::Tcp("db2".into())]);
     }
 
     #[tokio::test]
