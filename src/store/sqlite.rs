@@ -237,12 +237,16 @@ impl SqliteStore {
     fn shape_error(&self, error: StoreError) -> StoreError {
         match error {
             StoreError::Sqlite(problem) if problem.starts_with("no such column") => {
-                StoreError::NotClaimsTable {
-                    table: self.table.clone(),
-                    problem,
-                }
+                self.not_claims_table(problem)
             }
             other => other,
+        }
+    }
+
+    fn not_claims_table(&self, problem: String) -> StoreError {
+        StoreError::NotClaimsTable {
+            table: self.table.clone(),
+            problem,
         }
     }
 }
@@ -301,6 +305,14 @@ fn commit_group(connection: &Connection, group: Vec<Grouped>) {
     for answer in answers {
         answer(committed.as_ref().map(|_| ()).map_err(String::as_str));
     }
+}
+
+/// What keeps `table`, which has the claims table's columns, from being the
+/// claims table: a view, or no unique index for the claims' `ON CONFLICT`.
+fn shape_problem(connection: &Connection, table: &str) -> rusqlite::Result<Option<String>> {
+    let (kind, keyed): (String, bool) =
+        connection.query_row(sql::SHAPE, [table], |row| Ok((row.get(0)?, row.get(1)?)))?;
+    Ok(sql::shape_problem(&kind, keyed))
 }
 
 /// Whether an operator's write commits: decided once, by the write about to
@@ -405,6 +417,9 @@ impl Backend for SqliteStore {
             )?;
             transaction.execute_batch(&create_table)?;
             transaction.prepare(&probe).map(drop)?;
+            if let Some(problem) = shape_problem(&transaction, &table)? {
+                return Ok(Err(problem));
+            }
             let has_index: bool = transaction.query_row(sql::INDEXED, [&table], |row| row.get(0))?;
             if !has_index {
                 let mut name_taken = transaction.prepare(
@@ -417,17 +432,25 @@ impl Backend for SqliteStore {
                 transaction.execute_batch(&create_index)?;
             }
             transaction.commit()?;
-            Ok(Migration::after(existed, has_index))
+            Ok(Ok(Migration::after(existed, has_index)))
         })
         .await
-        .map_err(|error| self.shape_error(error))
+        .map_err(|error| self.shape_error(error))?
+        .map_err(|problem| self.not_claims_table(problem))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let probe = self.sql.probe.clone();
-        self.call(move |connection| connection.prepare(&probe)?.query([]).map(drop))
+        let (probe, table) = (self.sql.probe.clone(), self.table.clone());
+        let problem = self
+            .call(move |connection| {
+                connection.prepare(&probe)?.query([]).map(drop)?;
+                shape_problem(connection, &table)
+            })
             .await
             .map_err(|error| self.shape_error(error))?;
+        if let Some(problem) = problem {
+            return Err(self.not_claims_table(problem));
+        }
         match self.files.iter().find(|file| !file.still_there()) {
             None => Ok(()),
             Some(gone) => Err(StoreError::Sqlite(format!(

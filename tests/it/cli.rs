@@ -638,6 +638,75 @@ async fn a_table_that_is_not_a_claims_table_is_named_as_such() {
     }
 }
 
+/// On SQLite too: a table with every column but no key for the claims'
+/// `ON CONFLICT`, or a view, was taken for the claims table, and every
+/// webhook was then answered 503 while `/readyz` said ready.
+#[tokio::test]
+async fn an_sqlite_claims_table_without_its_key_or_a_view_is_refused_naming_why() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let config = format!("store: {{ url: '{}' }}\n", store.url);
+    let create = |key: &str| {
+        format!(
+            "DROP TABLE IF EXISTS processed_events;
+             CREATE TABLE processed_events (
+               source TEXT NOT NULL, event_id TEXT NOT NULL, status TEXT NOT NULL,
+               attempts INTEGER NOT NULL DEFAULT 1, payload_sha256 BLOB, response_status INTEGER,
+               received_at INTEGER NOT NULL, claimed_at INTEGER NOT NULL,
+               lease_expires_at INTEGER, completed_at INTEGER{key});"
+        )
+    };
+    for (sql, why) in [
+        (
+            create(""),
+            "no primary key or unique index on (source, event_id)",
+        ),
+        (
+            format!(
+                "{} CREATE UNIQUE INDEX only_some ON processed_events (event_id, source) WHERE status <> 'done';",
+                create("")
+            ),
+            "no primary key or unique index on (source, event_id)",
+        ),
+        (
+            format!(
+                "{} ALTER TABLE processed_events RENAME TO claims_kept;
+                 CREATE VIEW processed_events AS SELECT * FROM claims_kept;",
+                create(", PRIMARY KEY (source, event_id)")
+            ),
+            "it is a view",
+        ),
+    ] {
+        crate::rows::batch(&store, &sql).await;
+        for command in [
+            &["migrate"][..],
+            &["check-config", "--connect"],
+            &["keys", "list"],
+            &["prune"],
+        ] {
+            let out = run(command, Some(&config), &[]);
+            assert_eq!(out.code, 1, "{command:?}: {}", out.stderr);
+            assert!(
+                out.stderr.contains(&format!(
+                    "the table `processed_events` is not a dedupe-proxy claims table ({why})"
+                )),
+                "{command:?}: {}",
+                out.stderr
+            );
+        }
+    }
+    // A unique index on the two columns, in either order, does as well.
+    crate::rows::batch(
+        &store,
+        &format!(
+            "DROP VIEW processed_events; DROP TABLE claims_kept; {} CREATE UNIQUE INDEX claims_key ON processed_events (event_id, source);",
+            create("")
+        ),
+    )
+    .await;
+    let out = run(&["migrate"], Some(&config), &[]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}
+
 /// A table with the claims table's columns but other types, or without its
 /// primary key, would fail every claim (or, for a type, every decode): it is
 /// refused by name before anything is written, by every command (and by

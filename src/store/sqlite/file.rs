@@ -45,7 +45,12 @@ pub(super) fn open_connection(
     }
     let connection = Connection::open_with_flags(path, flags)?;
     connection.busy_timeout(busy_timeout)?;
-    connection.pragma_update(None, "journal_mode", "WAL")?;
+    // Persistent, and set by the process that serves or migrates the file:
+    // the commands that only look at a store (`keys`, `check-config`) leave a
+    // file they were pointed at by mistake, another program's, as it was.
+    if create {
+        connection.pragma_update(None, "journal_mode", "WAL")?;
+    }
     // FULL: a commit is on disk before the claim is answered, as in PostgreSQL.
     connection.pragma_update(None, "synchronous", "FULL")?;
     // A reader that holds a transaction open (a backup, an `sqlite3` session)
@@ -133,6 +138,26 @@ mod tests {
         let refused = writable(&read_only).unwrap_err();
         assert!(refused.contains("read-only"), "{refused}");
         assert!(refused.contains("permissions"), "{refused}");
+    }
+
+    #[test]
+    fn only_a_process_that_may_create_the_file_sets_its_journal_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("other.db");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch("CREATE TABLE users (id INTEGER)")
+            .unwrap();
+        let mode = |connection: &Connection| -> String {
+            connection
+                .pragma_query_value(None, "journal_mode", |row| row.get(0))
+                .unwrap()
+        };
+        let looking = open_connection(&path, Duration::from_secs(1), false).unwrap();
+        assert_eq!(mode(&looking), "delete");
+        drop(looking);
+        let serving = open_connection(&path, Duration::from_secs(1), true).unwrap();
+        assert_eq!(mode(&serving), "wal");
     }
 
     #[test]

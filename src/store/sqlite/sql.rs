@@ -72,6 +72,29 @@ pub(super) const INDEXED: &str =
     "SELECT EXISTS (SELECT 1 FROM pragma_index_list(?1) AS l, pragma_index_info(l.name) AS i
                         WHERE l.partial = 0 AND i.seqno = 0 AND i.name = 'received_at')";
 
+/// With `?1` the table: what kind of object it is (`table`, `view`; no row
+/// when there is none), and whether a unique index covers exactly `source`
+/// and `event_id` (the primary key counts), without which every claim's
+/// `ON CONFLICT (source, event_id)` fails.
+pub(super) const SHAPE: &str = "SELECT type, EXISTS (
+              SELECT 1 FROM pragma_index_list(?1) AS l
+               WHERE l.\"unique\" AND NOT l.partial
+                 AND (SELECT count(*) FROM pragma_index_info(l.name)) = 2
+                 AND (SELECT count(DISTINCT lower(i.name)) FROM pragma_index_info(l.name) AS i
+                       WHERE lower(i.name) IN ('source', 'event_id')) = 2)
+       FROM sqlite_master WHERE type IN ('table', 'view') AND lower(name) = lower(?1)";
+
+/// What keeps the object found by [`SHAPE`] from being the claims table.
+pub(super) fn shape_problem(kind: &str, keyed: bool) -> Option<String> {
+    if kind != "table" {
+        Some(format!("it is a {kind}"))
+    } else if !keyed {
+        Some("no primary key or unique index on (source, event_id)".into())
+    } else {
+        None
+    }
+}
+
 /// `CREATE INDEX` for `table`'s `received_at`, named `<table>_received_at_idx`
 /// unless that name is `taken` (by a table renamed away, say), then with the
 /// first free number after it, as PostgreSQL names one.
