@@ -407,11 +407,16 @@ impl Store {
     }
 
     /// Whether the store would take claims now, as `/readyz` tells it: it
-    /// answers ([`Store::ping`]) and, for SQLite, its write lock can be had.
+    /// answers ([`Store::ping`]), and the lock a claim takes (SQLite's write
+    /// lock, the PostgreSQL table's) can be had.
     pub async fn ready(&self) -> Result<(), StoreError> {
         self.ping().await?;
         match &*self.backend {
-            AnyBackend::Postgres(_) => Ok(()),
+            AnyBackend::Postgres(backend) => {
+                tokio::time::timeout(self.timeout, backend.take_table_lock())
+                    .await
+                    .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+            }
             AnyBackend::Sqlite(backend) => backend.take_write_lock().await,
         }
     }

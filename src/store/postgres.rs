@@ -117,6 +117,26 @@ impl PostgresStore {
         self.session.client().await
     }
 
+    /// Whether claims could be written now: the table lock every claim's
+    /// `INSERT` takes can be had within half of `store.timeout` (the other
+    /// half is the connection's and the catalog's). A catalog read passes
+    /// while a transaction holds the table (an `ALTER TABLE`, a `VACUUM
+    /// FULL`, a `LOCK TABLE`, a `CREATE INDEX` without `CONCURRENTLY`), and
+    /// every claim times out meanwhile.
+    pub(super) async fn take_table_lock(&self) -> Result<(), StoreError> {
+        let mut client = self.client().await?;
+        let transaction = read_committed(&mut client).await?;
+        transaction
+            .batch_execute(&format!(
+                "SET LOCAL lock_timeout = {}; LOCK TABLE {} IN ROW EXCLUSIVE MODE",
+                (self.claim_timeout / 2).as_millis().max(1),
+                self.sql.table_regclass
+            ))
+            .await
+            .map_err(postgres_error)?;
+        transaction.rollback().await.map_err(postgres_error)
+    }
+
     /// Runs an operator's one-off statement, always unnamed: caching gains
     /// nothing there, and an unnamed statement cannot meet another client's
     /// statement of the same name on a pooled server connection.

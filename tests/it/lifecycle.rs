@@ -1264,3 +1264,36 @@ async fn a_claim_won_while_shutdown_settles_is_released_not_forwarded() {
         ]
     );
 }
+
+/// A transaction holding the PostgreSQL claims table (an `ALTER TABLE`, a
+/// `VACUUM FULL`, a `LOCK TABLE`) stops every claim; `/readyz` says so, as
+/// it does for SQLite's write lock, rather than reading the catalog and
+/// answering ready.
+#[tokio::test]
+async fn readyz_answers_503_while_a_transaction_holds_the_postgres_table() {
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let app = TestApp::start(Arc::clone(&store), Upstream::start().await, |config| {
+        config.store.timeout = Duration::from_millis(400);
+    })
+    .await;
+    app.wait_ready().await;
+    let holder = store.postgres().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE processed_events IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let not_ready = app.admin_get("/readyz").await;
+    assert_eq!(not_ready.status, 503, "{}", not_ready.body);
+    assert!(
+        not_ready.body.starts_with("store unavailable: ") && not_ready.body.contains("lock"),
+        "{}",
+        not_ready.body
+    );
+    let refused = app.deliver("evt_locked", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(app.admin_get("/readyz").await.status, 200);
+    // evt_locked's claim, answered 503, is still decided once the lock goes
+    // (and released), so another key shows the claims going through.
+    assert_eq!(app.deliver("evt_after", "{}").await.outcome(), "forwarded");
+}
