@@ -158,6 +158,25 @@ impl Answer {
         }
     }
 
+    /// Why the proxy answered as it did, for the request's log line, where
+    /// the outcome alone does not say: a rejection's detail (which header,
+    /// which signature check, what about the body), the upstream's failure.
+    pub fn reason(&self) -> Option<String> {
+        match self {
+            Answer::Rejected(rejection) => Some(rejection.status_and_detail().1),
+            Answer::UpstreamError(error) | Answer::ShadowedUpstreamError { error, .. } => {
+                Some(format!(
+                    "the upstream gave no response: {}",
+                    crate::error_chain(error)
+                ))
+            }
+            Answer::Unavailable(Unavailable::LeaseTooShort, _) => {
+                Some("the claim's lease ran short before forwarding".into())
+            }
+            _ => None,
+        }
+    }
+
     /// The upstream's status, when it answered.
     pub fn upstream_status(&self) -> Option<u16> {
         match self {

@@ -123,6 +123,7 @@ pub(super) fn log_request(
                 outcome = answer.metric_outcome(),
                 attempt = trace.attempt,
                 upstream_status = answer.upstream_status(),
+                reason = answer.reason().as_deref(),
                 store_ms = millis(trace.store_time),
                 upstream_ms = trace.upstream_time.map(millis),
                 total_ms = millis(started.elapsed()),

@@ -65,6 +65,7 @@ async fn each_webhook_logs_one_json_line_and_no_body() {
     }
     assert!(forwarded["timestamp"].is_string());
 
+    assert!(forwarded.get("reason").is_none(), "{forwarded}");
     let duplicate = webhooks[1];
     assert_eq!(duplicate["outcome"], "duplicate");
     assert_eq!(duplicate["key"], "evt_log");
@@ -405,4 +406,31 @@ async fn text_format_logs_plain_lines() {
     assert!(serde_json::from_str::<Value>(&line).is_err(), "{line}");
     assert!(line.contains("INFO") && line.contains("listen="), "{line}");
     child.kill().await.unwrap();
+}
+
+/// A refused webhook's line says why, as its response does: the outcome
+/// alone (`rejected_bad_request`) does not tell a missing key from a body
+/// that is not JSON or one that stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_webhook_logs_the_reason_it_was_refused() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let config = config(&upstream, &store.url, "");
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    let refused = deliver(&proxy, "").await;
+    assert_eq!((refused.status, refused.outcome()), (400, "rejected"));
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    let webhooks: Vec<Value> = lines
+        .iter()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|event| event["message"] == "webhook")
+        .collect();
+    assert_eq!(webhooks.len(), 1, "{lines:#?}");
+    let reason = webhooks[0]["reason"].as_str().unwrap_or_default();
+    assert!(!reason.is_empty(), "{}", webhooks[0]);
+    let answered: Value = serde_json::from_str(&refused.body).unwrap();
+    assert_eq!(answered["detail"], reason, "the response says the same");
+    assert_eq!(upstream.count(), 0);
 }
