@@ -638,6 +638,27 @@ async fn a_table_that_is_not_a_claims_table_is_named_as_such() {
     }
 }
 
+/// `migrate`, `check-config --connect`, `keys list` and `prune` each exit 1
+/// naming why `processed_events` is not a claims table.
+fn every_command_refuses_the_claims_table(config: &str, why: &str) {
+    for command in [
+        &["migrate"][..],
+        &["check-config", "--connect"],
+        &["keys", "list"],
+        &["prune"],
+    ] {
+        let out = run(command, Some(config), &[]);
+        assert_eq!(out.code, 1, "{command:?}: {}", out.stderr);
+        assert!(
+            out.stderr.contains(&format!(
+                "the table `processed_events` is not a dedupe-proxy claims table ({why})"
+            )),
+            "{command:?}: {}",
+            out.stderr
+        );
+    }
+}
+
 /// On SQLite too: a table with every column but no key for the claims'
 /// `ON CONFLICT`, or a view, was taken for the claims table, and every
 /// webhook was then answered 503 while `/readyz` said ready.
@@ -677,22 +698,7 @@ async fn an_sqlite_claims_table_without_its_key_or_a_view_is_refused_naming_why(
         ),
     ] {
         crate::rows::batch(&store, &sql).await;
-        for command in [
-            &["migrate"][..],
-            &["check-config", "--connect"],
-            &["keys", "list"],
-            &["prune"],
-        ] {
-            let out = run(command, Some(&config), &[]);
-            assert_eq!(out.code, 1, "{command:?}: {}", out.stderr);
-            assert!(
-                out.stderr.contains(&format!(
-                    "the table `processed_events` is not a dedupe-proxy claims table ({why})"
-                )),
-                "{command:?}: {}",
-                out.stderr
-            );
-        }
+        every_command_refuses_the_claims_table(&config, why);
     }
     // A unique index on the two columns, in either order, does as well.
     crate::rows::batch(
@@ -751,22 +757,7 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
         ),
     ] {
         crate::rows::batch(&store, &sql).await;
-        for command in [
-            &["migrate"][..],
-            &["check-config", "--connect"],
-            &["keys", "list"],
-            &["prune"],
-        ] {
-            let out = run(command, Some(&config), &[]);
-            assert_eq!(out.code, 1, "{command:?}: {}", out.stderr);
-            assert!(
-                out.stderr.contains(&format!(
-                    "the table `processed_events` is not a dedupe-proxy claims table ({why})"
-                )),
-                "{command:?}: {}",
-                out.stderr
-            );
-        }
+        every_command_refuses_the_claims_table(&config, why);
     }
     // A unique index on the two columns, in either order, does as well; the
     // index the pruner reads is added.
