@@ -867,8 +867,11 @@ async fn bodies_sent_a_byte_a_chunk_cost_about_their_size() {
     const SENDERS: usize = 4;
     let store = crate::support::TestStore::new(Backend::Sqlite).await;
     let upstream = crate::support::Upstream::start().await;
+    // A debug build parses a million one-byte chunks in about a second
+    // alone, and in far longer on a busy machine: no held body may time out
+    // before the budget is seen full.
     let limits = format!(
-        "limits: {{ max_body_bytes: {BODY}, max_buffered_body_bytes: {} }}\n",
+        "limits: {{ max_body_bytes: {BODY}, max_buffered_body_bytes: {}, body_read_timeout: 1h }}\n",
         BODY * SENDERS
     );
     let config = crate::cli::process_config(&upstream, &store.url, &limits);
@@ -888,20 +891,20 @@ async fn bodies_sent_a_byte_a_chunk_cost_about_their_size() {
         sender.write_all(&b"1\r\nx\r\n".repeat(BODY)).await.unwrap();
         senders.push(sender);
     }
-    // Once every byte sent has been read, the budget is full and a body of
-    // one more byte is refused.
-    let full = async {
-        loop {
-            let probe = crate::cli::post_webhook(proxy.addr, "evt_probe", "x".into()).await;
-            if probe.status == 503 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    // A body's last charge to the budget is taken once it is half read. A
+    // probe sent before then would take the byte that charge needs, and the
+    // body would be refused instead; once the proxy has read every byte the
+    // senders wrote (all but its 64 KiB buffer parsed), the budget is full.
+    let read = async {
+        while !senders.iter().all(wholly_read) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(Duration::from_secs(60), full)
+    tokio::time::timeout(Duration::from_secs(600), read)
         .await
-        .expect("the budget fills");
+        .expect("the proxy reads what the senders wrote");
+    let probe = crate::cli::post_webhook(proxy.addr, "evt_probe", "x".into()).await;
+    assert_eq!(probe.status, 503, "a body of one byte more is refused");
     let grown = proxy.resident_bytes().saturating_sub(before);
     assert!(
         grown < 16 << 20,
@@ -909,4 +912,33 @@ async fn bodies_sent_a_byte_a_chunk_cost_about_their_size() {
         BODY * SENDERS
     );
     drop(senders);
+}
+
+/// Whether the other end of `sender`'s connection (on loopback, so both ends
+/// are in `/proc/net/tcp`) has received and read every byte written to it.
+fn wholly_read(sender: &TcpStream) -> bool {
+    let entry = |address: std::net::SocketAddr| match address {
+        std::net::SocketAddr::V4(v4) => format!(
+            "{:08X}:{:04X}",
+            u32::from_le_bytes(v4.ip().octets()),
+            v4.port()
+        ),
+        std::net::SocketAddr::V6(_) => unreachable!("the proxy listens on IPv4"),
+    };
+    let (ours, theirs) = (
+        entry(sender.local_addr().unwrap()),
+        entry(sender.peer_addr().unwrap()),
+    );
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let queues = |local: &str, remote: &str| {
+        table
+            .lines()
+            .map(|line| line.split_whitespace().collect::<Vec<_>>())
+            .find(|fields| fields.get(1) == Some(&local) && fields.get(2) == Some(&remote))
+            .map(|fields| fields[4].to_owned())
+            .expect("both ends of the connection are listed")
+    };
+    let unsent_or_unacknowledged = queues(&ours, &theirs);
+    let unread = queues(&theirs, &ours);
+    unsent_or_unacknowledged.starts_with("00000000:") && unread.ends_with(":00000000")
 }
