@@ -18,7 +18,6 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, Version, header};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -35,7 +34,7 @@ use crate::key::KeyError;
 use crate::metrics::{Metrics, UpstreamSeries};
 use crate::route::{NearMiss, Route, Routes};
 use crate::store::{Claim, ClaimRequest, Fence, Store};
-use crate::upstream::{Peer, StreamedBody, Upstream, UpstreamError};
+use crate::upstream::{Outgoing, Peer, StreamedBody, Upstream, UpstreamError};
 use crate::verify::{self, Verified};
 
 /// Everything a request needs, shared by all connections.
@@ -295,7 +294,10 @@ impl Proxy {
         let (parts, body) = request.into_parts();
         let body = StreamedBody::new(body, started, self.settings.body_read_timeout);
         let sent_at = Instant::now();
-        let result = self.upstream.send(parts, body.boxed(), peer, None).await;
+        let result = self
+            .upstream
+            .send(parts, Outgoing::Streamed(body), peer, None)
+            .await;
         let upstream_time = sent_at.elapsed();
         let result = match result {
             Err(UpstreamError::SenderBody(fault)) => {

@@ -13,9 +13,11 @@ use std::time::Duration;
 use http::header::{self, GetAll, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response, Uri};
+use http_body_util::BodyExt;
 
 use crate::config::UpstreamConfig;
 use crate::tls::TlsError;
+use body::BodyEnd;
 pub use body::{RequestBody, ResponseBody, ResponseBodyError, SenderBodyError, StreamedBody};
 use pool::Pool;
 pub use pool::use_lane;
@@ -29,13 +31,21 @@ pub enum UpstreamError {
     /// The connection failed after the request was sent.
     #[error("the upstream failed: {0}")]
     Failed(String),
-    /// No response headers within `upstream.timeout`.
+    /// No response headers within `upstream.timeout` of the request's end.
     #[error("the upstream did not answer within {0:?}")]
     Timeout(Duration),
     /// The sender's streamed body failed on its way: the sender's fault, not
     /// the upstream's.
     #[error(transparent)]
     SenderBody(SenderBodyError),
+}
+
+/// A request's body as the upstream is sent it.
+pub enum Outgoing {
+    /// Read whole before forwarding (a webhook's).
+    Whole(bytes::Bytes),
+    /// Streamed through from the sender (an unmatched request's).
+    Streamed(StreamedBody),
 }
 
 /// How long a kept-alive upstream connection may sit unused.
@@ -125,7 +135,7 @@ impl Upstream {
     pub fn send(
         &self,
         mut parts: Parts,
-        body: RequestBody,
+        body: Outgoing,
         peer: Peer,
         dedupe: Option<DedupeHeaders>,
     ) -> impl Future<Output = Result<Response<ResponseBody>, UpstreamError>> + '_ {
@@ -135,14 +145,27 @@ impl Upstream {
         prepare_request_headers(&mut parts, &peer, dedupe, &self.default_host);
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
-        self.exchange(Request::from_parts(parts, body))
+        let (body, end) = match body {
+            Outgoing::Whole(body) => (
+                http_body_util::Full::new(body)
+                    .map_err(|never| match never {})
+                    .boxed(),
+                None,
+            ),
+            Outgoing::Streamed(body) => {
+                let end = body.end();
+                (body.boxed(), end)
+            }
+        };
+        self.exchange(Request::from_parts(parts, body), end)
     }
 
     async fn exchange(
         &self,
         request: Request<RequestBody>,
+        end: Option<std::sync::Arc<BodyEnd>>,
     ) -> Result<Response<ResponseBody>, UpstreamError> {
-        let mut response = self.pool.send(request).await?;
+        let mut response = self.pool.send(request, end.as_deref()).await?;
         // Only an answer to `Upgrade`, which is never forwarded: passed on,
         // it would leave the sender waiting on a protocol nobody speaks.
         if response.status() == http::StatusCode::SWITCHING_PROTOCOLS {

@@ -6,15 +6,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use http::HeaderValue;
-use http_body_util::{BodyExt, Full};
 
 use super::{Answer, Checked, Decision, OpenClaim, PassReason, Proxy, Trace, Unavailable, Won};
 use crate::key;
 use crate::route::Route;
 use crate::store::{ClaimRequest, Fence, SettledStatus, Settlement};
-use crate::upstream::{DedupeHeaders, RequestBody};
+use crate::upstream::{DedupeHeaders, Outgoing};
 
 impl Proxy {
     /// A won claim is forwarded only while enough of its lease is left;
@@ -112,7 +110,7 @@ impl Proxy {
             .upstream
             .send(
                 request.parts,
-                full(request.body),
+                Outgoing::Whole(request.body),
                 request.peer,
                 Some(dedupe),
             )
@@ -163,7 +161,12 @@ impl Proxy {
         let sent_at = Instant::now();
         let result = self
             .upstream
-            .send(request.parts, full(request.body), request.peer, dedupe)
+            .send(
+                request.parts,
+                Outgoing::Whole(request.body),
+                request.peer,
+                dedupe,
+            )
             .await;
         let upstream_time = sent_at.elapsed();
         trace.upstream_time = Some(upstream_time);
@@ -193,8 +196,4 @@ pub(super) fn unclaimed_dedupe_headers(route: &Route, trace: &Trace) -> Option<D
 /// `X-Dedupe-Source`: the route's name.
 fn route_source(route: &Route) -> HeaderValue {
     HeaderValue::from_str(&route.name).expect("route names are header-safe")
-}
-
-fn full(body: Bytes) -> RequestBody {
-    Full::new(body).map_err(|never| match never {}).boxed()
 }

@@ -3,12 +3,15 @@
 //! response passed back, which must keep coming within `upstream.timeout`.
 
 use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 /// Why a sender's body streamed to the upstream ended before it was whole.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -30,21 +33,80 @@ pub type RequestBody = BoxBody<Bytes, SenderBodyError>;
 /// `upstream.timeout`.
 pub struct StreamedBody {
     body: Incoming,
-    deadline: tokio::time::Instant,
+    deadline: Instant,
     timeout: Duration,
     // Made on the first wait only: a body that arrived with its head (nearly
     // every one) costs no timer.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    // None for a body that was over before it began.
+    end: Option<Arc<BodyEnd>>,
 }
 
 impl StreamedBody {
     /// `body`, due whole `timeout` after `started`.
     pub fn new(body: Incoming, started: std::time::Instant, timeout: Duration) -> Self {
+        let deadline = Instant::from_std(started) + timeout;
+        let end = (!body.is_end_stream()).then(|| {
+            Arc::new(BodyEnd {
+                at: OnceLock::new(),
+                ended: Notify::new(),
+                due: deadline,
+            })
+        });
         Self {
             body,
-            deadline: tokio::time::Instant::from_std(started) + timeout,
+            deadline,
             timeout,
             timer: None,
+            end,
+        }
+    }
+
+    /// When the body is over, for a body that has yet to be sent.
+    pub(super) fn end(&self) -> Option<Arc<BodyEnd>> {
+        self.end.clone()
+    }
+
+    fn ended(&self) {
+        if let Some(end) = &self.end {
+            end.mark();
+        }
+    }
+}
+
+/// When a streamed body was over: the upstream is given `upstream.timeout`
+/// to answer from then, not from when forwarding began, so that the time a
+/// sender takes to upload (bounded by `limits.body_read_timeout`) is not
+/// taken from the application's.
+#[derive(Debug)]
+pub struct BodyEnd {
+    at: OnceLock<Instant>,
+    ended: Notify,
+    due: Instant,
+}
+
+impl BodyEnd {
+    fn mark(&self) {
+        if self.at.set(Instant::now()).is_ok() {
+            self.ended.notify_waiters();
+        }
+    }
+
+    /// When the body was over, or was due, if it was not over by then: the
+    /// body's own deadline ends a sender's stall, but only while the
+    /// upstream connection takes the body, and an upstream that reads
+    /// nothing must not hold the request past its own deadline, counted
+    /// from there.
+    pub(super) async fn over(&self) -> Instant {
+        let ended = self.ended.notified();
+        tokio::pin!(ended);
+        ended.as_mut().enable();
+        if let Some(at) = self.at.get() {
+            return *at;
+        }
+        tokio::select! {
+            () = ended => *self.at.get().expect("set before waiters are told"),
+            () = tokio::time::sleep_until(self.due) => self.due,
         }
     }
 }
@@ -59,6 +121,9 @@ impl Body for StreamedBody {
     ) -> Poll<Option<Result<Frame<Bytes>, SenderBodyError>>> {
         let this = &mut *self;
         if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
+            if frame.is_none() || this.body.is_end_stream() {
+                this.ended();
+            }
             return Poll::Ready(frame.map(|frame| {
                 let mut frame = frame
                     .map_err(|error| SenderBodyError::Unreadable(crate::error_chain(&error)))?;
@@ -81,7 +146,11 @@ impl Body for StreamedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        let over = self.body.is_end_stream();
+        if over {
+            self.ended();
+        }
+        over
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -162,7 +231,7 @@ impl Body for ResponseBody {
         let timer = match &mut this.timer {
             Some(timer) => {
                 if std::mem::take(&mut this.rearm) {
-                    timer.as_mut().reset(tokio::time::Instant::now() + timeout);
+                    timer.as_mut().reset(Instant::now() + timeout);
                 }
                 timer
             }

@@ -31,7 +31,7 @@ use tokio::sync::oneshot;
 use tokio::time::Sleep;
 use tower_service::Service;
 
-use super::{RequestBody, SenderBodyError, UpstreamError};
+use super::{BodyEnd, RequestBody, SenderBodyError, UpstreamError};
 use crate::config::UpstreamConfig;
 use crate::error_chain;
 use crate::tls::{self, TlsError};
@@ -137,6 +137,7 @@ impl Pool {
     pub async fn send(
         &self,
         mut request: Request<RequestBody>,
+        body_end: Option<&BodyEnd>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         let until = tokio::time::Instant::now() + self.timeout;
         loop {
@@ -175,7 +176,7 @@ impl Pool {
             let sent = tokio::select! {
                 biased;
                 sent = connection.sender.try_send_request(request) => sent,
-                () = &mut deadline => {
+                () = answer_due(&mut deadline, body_end, self.timeout) => {
                     let _ = connection.reset.send(());
                     return Err(UpstreamError::Timeout(self.timeout));
                 }
@@ -259,6 +260,18 @@ impl Pool {
 
 /// What a failed exchange was: the sender's body failing on its way, or the
 /// upstream failing.
+/// Waits out `deadline`, moved, for a body still streaming when it passed,
+/// to `timeout` after the body was over.
+async fn answer_due(deadline: &mut Pin<Box<Sleep>>, body_end: Option<&BodyEnd>, timeout: Duration) {
+    deadline.as_mut().await;
+    if let Some(end) = body_end {
+        // Boxed: every request's future would otherwise carry room for it.
+        let over = Box::pin(end.over()).await;
+        deadline.as_mut().reset(over + timeout);
+        deadline.as_mut().await;
+    }
+}
+
 fn failure(error: hyper::Error) -> UpstreamError {
     let mut source = std::error::Error::source(&error);
     while let Some(cause) = source {
@@ -417,7 +430,7 @@ mod tests {
     }
 
     async fn send_ok(pool: &Pool) {
-        let response = pool.send(get()).await.unwrap();
+        let response = pool.send(get(), None).await.unwrap();
         assert_eq!(body(response).await, "ok");
     }
 
@@ -462,13 +475,13 @@ mod tests {
     async fn a_connection_still_streaming_a_body_is_not_reused_until_it_ends() {
         let upstream = RawUpstream::start(Answer::Streaming).await;
         let pool = upstream.pool(MINUTE);
-        let streaming = pool.send(get()).await.unwrap();
-        let second = pool.send(get()).await.unwrap();
+        let streaming = pool.send(get(), None).await.unwrap();
+        let second = pool.send(get(), None).await.unwrap();
         assert_eq!(upstream.connections(), 2, "the first is still busy");
         upstream.finish.add_permits(2);
         let (first, second) = tokio::join!(body(streaming), body(second));
         assert_eq!((first, second), ("ok".into(), "ok".into()));
-        let third = pool.send(get()).await.unwrap();
+        let third = pool.send(get(), None).await.unwrap();
         upstream.finish.add_permits(1);
         assert_eq!(body(third).await, "ok");
         assert_eq!(
@@ -513,7 +526,7 @@ mod tests {
         let timeout = Duration::from_millis(200);
         let pool = upstream.pool_with_timeout(MINUTE, timeout);
         send_ok(&pool).await;
-        let error = pool.send(get()).await.unwrap_err();
+        let error = pool.send(get(), None).await.unwrap_err();
         assert!(
             matches!(error, UpstreamError::Timeout(t) if t == timeout),
             "{error:?}"
@@ -559,7 +572,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let pool = one_lane_pool(&url, Duration::from_millis(200));
-        let (error, mut accepted) = tokio::join!(pool.send(get()), async {
+        let (error, mut accepted) = tokio::join!(pool.send(get(), None), async {
             let (stream, _) = listener.accept().await.unwrap();
             read_request(stream).await
         });
@@ -600,7 +613,7 @@ mod tests {
             ..Default::default()
         };
         let pool = Pool::new(&config, &url.parse().unwrap(), 1, MINUTE).unwrap();
-        let (error, mut accepted) = tokio::join!(pool.send(get()), async {
+        let (error, mut accepted) = tokio::join!(pool.send(get(), None), async {
             let (stream, _) = listener.accept().await.unwrap();
             read_request(acceptor.accept(stream).await.unwrap()).await
         });
@@ -645,7 +658,7 @@ mod tests {
         let url = format!("http://{}", listener.local_addr().unwrap());
         drop(listener);
         let pool = one_lane_pool(&url, UpstreamConfig::default().timeout);
-        let error = pool.send(get()).await.unwrap_err();
+        let error = pool.send(get(), None).await.unwrap_err();
         assert!(matches!(error, UpstreamError::Connect(_)), "{error:?}");
     }
 
@@ -661,7 +674,7 @@ mod tests {
             }
         });
         let pool = one_lane_pool(&url, Duration::from_millis(200));
-        let error = pool.send(get()).await.unwrap_err();
+        let error = pool.send(get(), None).await.unwrap_err();
         assert!(
             matches!(&error, UpstreamError::Connect(message) if message.contains("200ms")),
             "{error:?}"

@@ -619,6 +619,94 @@ async fn slow_senders_are_cut_off() {
     .await;
 }
 
+/// An unmatched request's body is streamed to the upstream, and the
+/// upstream's `upstream.timeout` runs from when the body is over: an upload
+/// that pauses for longer than it is answered, and an upstream that then
+/// hangs still times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmatched_upload_does_not_spend_the_upstreams_time() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.timeout = Duration::from_millis(300);
+    })
+    .await;
+    app.upstream.script("/hangs", [Behavior::Hang]);
+    for (path, status) in [("/uploads", "HTTP/1.1 200"), ("/hangs", "HTTP/1.1 504")] {
+        let mut sender = TcpStream::connect(app.addr).await.unwrap();
+        let head = format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello");
+        sender.write_all(head.as_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        sender.write_all(b"world").await.unwrap();
+        let mut answer = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_secs(10), sender.read(&mut answer))
+            .await
+            .expect("an answer")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..read]);
+        assert!(answer.starts_with(status), "{path}: {answer}");
+    }
+    let seen = app.upstream.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(seen.iter().all(|request| request.body == "helloworld"));
+    app.assert_metrics(&[
+        r#"dedupe_upstream_responses_total{class="2xx",route="unmatched"} 1"#,
+        r#"dedupe_upstream_responses_total{class="timeout",route="unmatched"} 1"#,
+    ])
+    .await;
+}
+
+/// With `upstream.timeout` no longer than `limits.body_read_timeout` (their
+/// defaults are equal), an unmatched body that stalls is the sender's
+/// fault: 408, not the upstream's 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_unmatched_upload_is_a_408_whatever_the_upstream_timeout() {
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.timeout = Duration::from_millis(300);
+        config.limits.body_read_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let stalled = "POST /uploads HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello";
+    assert_answered_and_closed(&app, stalled, "HTTP/1.1 408").await;
+    app.assert_metrics(&[
+        r#"dedupe_requests_total{outcome="rejected_bad_request",route="unmatched"} 1"#,
+        r#"dedupe_upstream_responses_total{class="timeout",route="unmatched"} 0"#,
+    ])
+    .await;
+}
+
+/// An upstream that accepts a connection and reads nothing stops the
+/// proxy taking the sender's body, so the body is never over: the upstream
+/// gets `upstream.timeout` from when the body was due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_reads_no_upload_still_times_out() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = listener.local_addr().unwrap();
+    let deaf = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((connection, _)) = listener.accept().await {
+            held.push(connection);
+        }
+    });
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("http://{upstream_addr}");
+        config.upstream.timeout = Duration::from_millis(300);
+        config.limits.body_read_timeout = Duration::from_millis(300);
+    })
+    .await;
+    // Far more than the sockets on the way hold.
+    const BODY: usize = 64 << 20;
+    let mut sender = TcpStream::connect(app.addr).await.unwrap();
+    let head = format!("POST /uploads HTTP/1.1\r\nHost: x\r\nContent-Length: {BODY}\r\n\r\n");
+    sender.write_all(head.as_bytes()).await.unwrap();
+    let upload = tokio::spawn(async move {
+        let _ = sender.write_all(&vec![b'x'; BODY]).await;
+        sender
+    });
+    app.wait_for_metric(r#"dedupe_upstream_responses_total{class="timeout",route="unmatched"} 1"#)
+        .await;
+    upload.abort();
+    deaf.abort();
+}
+
 /// `Upgrade` is never forwarded, so an upstream that switches protocols
 /// anyway would leave the sender on a protocol nobody speaks: 502, and a
 /// webhook's key is `failed`.
