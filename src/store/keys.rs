@@ -99,7 +99,10 @@ pub enum Forget {
 pub enum Release {
     /// The key was `processing` and is now `failed`.
     Released {
-        /// The attempt that lost its claim; its settle will be fenced out.
+        /// The attempt that lost its claim. Its `done`, if it lands before a
+        /// retry takes the key, is still recorded (the event was processed);
+        /// its `failed` changes nothing, and once a retry has the key
+        /// neither lands.
         attempt: i32,
     },
     /// No such key.
