@@ -23,7 +23,11 @@ const CONFIG_ERROR: u8 = 2;
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     let Some(path) = cli.config.as_deref() else {
-        eprintln!("error: no configuration: pass --config FILE or set DEDUPE_CONFIG");
+        telemetry::fatal(
+            cli.log_format,
+            None,
+            "no configuration: pass --config FILE or set DEDUPE_CONFIG",
+        );
         return ExitCode::from(CONFIG_ERROR);
     };
     let command = cli.command.unwrap_or(Command::Run);
@@ -34,11 +38,11 @@ async fn main() -> ExitCode {
     let config = match Config::load(path, secrets) {
         Ok(config) => config,
         Err(error) => {
-            eprintln!("error: {error}");
+            telemetry::fatal(cli.log_format, None, &error.to_string());
             return ExitCode::from(CONFIG_ERROR);
         }
     };
-    let _log_writer = telemetry::init(cli.log_format, &config.log_level);
+    let log_writer = telemetry::init(cli.log_format, &config.log_level);
     // The warnings are about serving; the store's commands leave them out.
     let warnings = match command {
         Command::Run | Command::CheckConfig { .. } => config.warnings(),
@@ -62,7 +66,7 @@ async fn main() -> ExitCode {
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            telemetry::fatal(cli.log_format, Some(log_writer), &format!("{error:#}"));
             ExitCode::from(RUNTIME_FAILURE)
         }
     }

@@ -70,6 +70,27 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
     guard
 }
 
+/// Writes the error that ends the process to stderr, after every line
+/// queued before it (`queued` is dropped first, which flushes them), in the
+/// log's format and whatever the log filter: the last thing a process says
+/// must reach its operator, and under `--log-format json` must not be the
+/// one line a log pipeline cannot parse.
+pub fn fatal(format: LogFormat, queued: Option<WorkerGuard>, message: &str) {
+    drop(queued);
+    match format {
+        LogFormat::Text => eprintln!("error: {message}"),
+        LogFormat::Json => eprintln!(
+            "{}",
+            serde_json::json!({
+                "timestamp": humantime::format_rfc3339_micros(SystemTime::now()).to_string(),
+                "level": "ERROR",
+                "message": message,
+                "target": env!("CARGO_CRATE_NAME"),
+            })
+        ),
+    }
+}
+
 /// Each line's time, written as tracing-subscriber's own timer writes it
 /// (`2026-12-06T17:40:08.123456Z`, UTC), with the date and time of day made
 /// once a second per thread instead of for every line: working out the date
@@ -138,7 +159,10 @@ pub fn log_filter(directives: &str) -> Result<EnvFilter, String> {
             "`{bare}` is neither a level (trace, debug, info, warn, error, off) nor a `target=level` directive"
         ));
     }
-    EnvFilter::try_new(directives)
+    // `EnvFilter` refuses a directive with a space around it, as in
+    // `info, hyper=warn`, which reads as intended.
+    let trimmed: Vec<&str> = directives.split(',').map(str::trim).collect();
+    EnvFilter::try_new(trimmed.join(","))
         .map_err(|error| format!("`{directives}` is not a log filter: {error}"))
 }
 
@@ -256,6 +280,7 @@ mod tests {
             "WARN",
             "off",
             "info,hyper=warn",
+            " warn , hyper=debug ",
             "dedupe_proxy::proxy=trace",
             "[request]=debug",
         ] {

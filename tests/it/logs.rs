@@ -374,6 +374,51 @@ async fn rust_log_wins_over_the_configured_log_level() {
     }
 }
 
+/// The error that stops the binary is, under `--log-format json`, a JSON
+/// line like the rest, the last, and written whatever `RUST_LOG` says: a
+/// configuration refused, and a listen address already taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_error_that_stops_the_binary_is_a_json_line_whatever_the_filter() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = config(&upstream, &store.url, "").replacen(
+        "listen: 127.0.0.1:0",
+        &format!("listen: {}", taken.local_addr().unwrap()),
+        1,
+    );
+    let refused = config(&upstream, &store.url, "log_level: warning\n");
+    for (config, exit_code, naming) in [(busy, 1, "cannot listen on"), (refused, 2, "log_level")] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, config).unwrap();
+        let ran = tokio::process::Command::new(crate::cli::BINARY)
+            .args(["run", "--log-format", "json", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "off")
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(ran.status.code(), Some(exit_code));
+        let stderr = String::from_utf8(ran.stderr).unwrap();
+        let lines: Vec<Value> = stderr
+            .lines()
+            .map(|line| {
+                serde_json::from_str(line)
+                    .unwrap_or_else(|e| panic!("not one JSON object ({e}): {line}"))
+            })
+            .collect();
+        let last = lines.last().expect("a line");
+        assert_eq!(last["level"], "ERROR", "{stderr}");
+        let message = last["message"].as_str().unwrap();
+        assert!(message.contains(naming), "{stderr}");
+        assert!(
+            last["timestamp"].as_str().unwrap().ends_with('Z'),
+            "{stderr}"
+        );
+    }
+}
+
 /// `--log-format text` gives human-readable lines, not JSON.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_format_logs_plain_lines() {
