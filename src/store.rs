@@ -179,6 +179,11 @@ pub enum StoreError {
     /// failure); the connection is healthy.
     #[error("postgres refused the statement: {0}")]
     Refused(String),
+    /// PostgreSQL canceled the statement (`statement_timeout`,
+    /// `pg_cancel_backend`): its transaction was rolled back, so nothing of
+    /// it was committed, and the connection is healthy.
+    #[error("postgres canceled the statement: {0}")]
+    Canceled(String),
     /// A settle sent while every settle statement waits on a held row
     /// skipped its key's row, which another transaction holds locked;
     /// nothing was written.

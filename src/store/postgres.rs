@@ -317,6 +317,7 @@ fn postgres_error(error: tokio_postgres::Error) -> StoreError {
                 .as_db_error()
                 .map_or_else(|| error_chain(&error), |db| db.message().to_owned()),
         ),
+        Some(&SqlState::QUERY_CANCELED) => StoreError::Canceled(error_chain(&error)),
         // The server answered and refused this statement (bad data, deadlock,
         // serialization); connection and shutdown classes aside, the
         // connection itself is fine.

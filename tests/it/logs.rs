@@ -286,38 +286,72 @@ async fn store_errors_are_logged_with_the_servers_message() {
     );
 }
 
+/// Delivers `key` while another transaction holds its row, calls `stop`
+/// (`pg_terminate_backend` or `pg_cancel_backend`) on the backend whose
+/// claim waits for that row, then lets the row go; the delivery's status.
+async fn claim_stopped_while_waiting(
+    store: &TestStore,
+    proxy: &ProxyProcess,
+    key: &'static str,
+    stop: &str,
+) -> u16 {
+    let mut holder = store.postgres().await;
+    let insert = holder.transaction().await.unwrap();
+    insert
+        .execute(
+            "INSERT INTO processed_events (source, event_id, status) VALUES ('orders', $1, 'processing')",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    let addr = proxy.addr;
+    let delivery = tokio::spawn(async move { post_webhook(addr, key, "{}".into()).await });
+    let observer = store.postgres().await;
+    until_waiting_on_locks(&observer, 1).await;
+    observer
+        .batch_execute(&format!(
+            "SELECT {stop}(pid) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ))
+        .await
+        .unwrap();
+    let status = delivery.await.unwrap().status;
+    insert.rollback().await.unwrap();
+    status
+}
+
 /// A claim whose connection fails while its statement is at the database
 /// may have been committed with its answer lost: its line names the key and
 /// how to free it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_cut_off_at_the_database_says_how_to_free_its_key() {
     let (store, _upstream, proxy) = ready_on_postgres().await;
-    let mut holder = store.postgres().await;
-    let insert = holder.transaction().await.unwrap();
-    insert
-        .execute(
-            "INSERT INTO processed_events (source, event_id, status) VALUES ('orders', 'evt_cut', 'processing')",
-            &[],
-        )
-        .await
-        .unwrap();
-    let addr = proxy.addr;
-    let delivery = tokio::spawn(async move { post_webhook(addr, "evt_cut", "{}".into()).await });
-    let observer = store.postgres().await;
-    until_waiting_on_locks(&observer, 1).await;
-    observer
-        .batch_execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .await
-        .unwrap();
-    assert_eq!(delivery.await.unwrap().status, 503);
-    insert.rollback().await.unwrap();
+    let status =
+        claim_stopped_while_waiting(&store, &proxy, "evt_cut", "pg_terminate_backend").await;
+    assert_eq!(status, 503);
     let claim_failed = claim_failed_line(proxy).await;
     assert!(
         claim_failed.contains(r#""key":"evt_cut""#)
             && claim_failed.contains("dedupe-proxy keys release frees it"),
+        "{claim_failed}"
+    );
+}
+
+/// A claim whose statement the database cancels (`statement_timeout`,
+/// `pg_cancel_backend`) was rolled back: its line names no key to free, and
+/// the retry is forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_database_canceled_leaves_no_key_to_free() {
+    let (store, _upstream, proxy) = ready_on_postgres().await;
+    let status =
+        claim_stopped_while_waiting(&store, &proxy, "evt_canceled", "pg_cancel_backend").await;
+    assert_eq!(status, 503);
+    assert_eq!(deliver(&proxy, "evt_canceled").await.outcome(), "forwarded");
+    let claim_failed = claim_failed_line(proxy).await;
+    assert!(
+        claim_failed.contains(r#""key":"evt_canceled""#)
+            && claim_failed.contains("canceling statement due to user request")
+            && !claim_failed.contains("keys release frees it"),
         "{claim_failed}"
     );
 }
