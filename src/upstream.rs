@@ -63,6 +63,7 @@ pub struct Upstream {
 }
 
 /// The `X-Dedupe-*` fields the upstream gets with a deduplicated request.
+#[derive(Debug, Clone)]
 pub struct DedupeHeaders {
     /// `X-Dedupe-Key`, already percent-encoded.
     pub key: HeaderValue,
@@ -142,6 +143,9 @@ impl Upstream {
         // The request is prepared before the future is made, so the future
         // holds only the finished request: it is boxed or moved on every
         // request, and a smaller one is cheaper to allocate and copy.
+        // Kept for the response body's warnings: they come after the
+        // webhook's own log line, and must name its key.
+        let origin = dedupe.clone().map(Box::new);
         prepare_request_headers(&mut parts, &peer, dedupe, &self.default_host);
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
@@ -157,13 +161,14 @@ impl Upstream {
                 (body.boxed(), end)
             }
         };
-        self.exchange(Request::from_parts(parts, body), end)
+        self.exchange(Request::from_parts(parts, body), end, origin)
     }
 
     async fn exchange(
         &self,
         request: Request<RequestBody>,
         end: Option<std::sync::Arc<BodyEnd>>,
+        origin: Option<Box<DedupeHeaders>>,
     ) -> Result<Response<ResponseBody>, UpstreamError> {
         let mut response = self.pool.send(request, end.as_deref()).await?;
         // Only an answer to `Upgrade`, which is never forwarded: passed on,
@@ -177,7 +182,7 @@ impl Upstream {
         reframe(status, response.headers_mut())?;
         strip_hop_by_hop(response.headers_mut());
         let timeout = self.timeout;
-        Ok(response.map(|body| ResponseBody::new(body, timeout)))
+        Ok(response.map(|body| ResponseBody::new(body, timeout, origin)))
     }
 
     /// The origin-form target on the upstream: its base path, then the

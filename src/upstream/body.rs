@@ -166,6 +166,8 @@ impl Body for StreamedBody {
 pub struct ResponseBody {
     body: Incoming,
     timeout: Duration,
+    /// The delivery the response answers; none for an unmatched request.
+    origin: Option<Box<super::DedupeHeaders>>,
     // Made on the second wait in a row only: a body that arrives with its
     // head, or right behind it (nearly every one), costs no timer.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -191,14 +193,39 @@ pub enum ResponseBodyError {
 }
 
 impl ResponseBody {
-    pub(super) fn new(body: Incoming, timeout: Duration) -> Self {
+    pub(super) fn new(
+        body: Incoming,
+        timeout: Duration,
+        origin: Option<Box<super::DedupeHeaders>>,
+    ) -> Self {
         Self {
             body,
             timeout,
+            origin,
             timer: None,
             rearm: false,
             looked_again: false,
         }
+    }
+}
+
+impl ResponseBody {
+    fn warn_cut_off(&self, error: &ResponseBodyError) {
+        const CUT_OFF: &str = "the upstream's response was cut off on its way to the sender";
+        let Some(origin) = &self.origin else {
+            tracing::warn!(route = "unmatched", %error, "{CUT_OFF}");
+            return;
+        };
+        let route = String::from_utf8_lossy(origin.source.as_bytes());
+        // As the webhook's own line has it, not as `X-Dedupe-Key` carries it.
+        let key = percent_encoding::percent_decode(origin.key.as_bytes()).decode_utf8_lossy();
+        tracing::warn!(
+            route = &*route,
+            key = &*key,
+            attempt = origin.attempt,
+            %error,
+            "{CUT_OFF}"
+        );
     }
 }
 
@@ -215,7 +242,7 @@ impl Body for ResponseBody {
             this.rearm = true;
             let frame = frame.map(|frame| frame.map_err(ResponseBodyError::from));
             if let Some(Err(error)) = &frame {
-                tracing::warn!(%error, "the upstream's response was cut off on its way to the sender");
+                this.warn_cut_off(error);
             }
             return Poll::Ready(frame);
         }
@@ -240,7 +267,7 @@ impl Body for ResponseBody {
         match timer.as_mut().poll(cx) {
             Poll::Ready(()) => {
                 let error = ResponseBodyError::Stalled(timeout);
-                tracing::warn!(%error, "the upstream's response was cut off on its way to the sender");
+                this.warn_cut_off(&error);
                 Poll::Ready(Some(Err(error)))
             }
             Poll::Pending => Poll::Pending,

@@ -129,6 +129,65 @@ async fn an_unmatched_request_logs_its_upstream_time_at_debug() {
     assert_eq!(upstream.count(), 1);
 }
 
+/// A response the upstream cuts off after its head reaches the sender cut
+/// off; the warning names the delivery (route, key as the webhook's line has
+/// it, attempt), and an unmatched request's names its route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_cut_off_on_its_way_is_logged_with_its_delivery() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut connection, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                while !request.ends_with(b"\r\n\r\n{}") {
+                    match connection.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buffer[..n]),
+                    }
+                }
+                // Dropped after the head: the body ends 93 bytes short.
+                let _ = connection
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+                    .await;
+            });
+        }
+    });
+    let store = TestStore::new(Backend::Sqlite).await;
+    let unused = Upstream::start().await;
+    let config = config(&unused, &store.url, "").replace(&unused.url(), &upstream_url);
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    for path in ["/hooks/orders", "/elsewhere"] {
+        let request = Request::post(format!("http://{}{path}", proxy.addr))
+            .header("x-event-id", "evt cut%")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let response = client().request(request).await.unwrap();
+        assert_eq!(response.status(), 200);
+        let body = http_body_util::BodyExt::collect(response.into_body()).await;
+        assert!(body.is_err(), "the body is cut off");
+    }
+    proxy.terminate();
+    let warnings: Vec<Value> = proxy
+        .all_log_lines()
+        .await
+        .iter()
+        .filter(|line| line.contains("cut off on its way to the sender"))
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    let webhook = &warnings[0];
+    assert_eq!(webhook["level"], "WARN");
+    assert_eq!(webhook["route"], "orders");
+    assert_eq!(webhook["key"], "evt cut%");
+    assert_eq!(webhook["attempt"], 1);
+    assert_eq!(warnings[1]["route"], "unmatched");
+    assert!(warnings[1].get("key").is_none(), "{:?}", warnings[1]);
+}
+
 /// Posts `{}` to `path`, expects it passed through, stops the proxy and
 /// returns the one `webhook` line it logged.
 async fn only_webhook_line(proxy: &mut ProxyProcess, path: &str) -> Value {
