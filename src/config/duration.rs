@@ -54,9 +54,12 @@ pub fn parse(text: &str) -> Result<Duration, String> {
 
 fn parse_unbounded(text: &str) -> Result<Duration, String> {
     const HINT: &str = "write durations like 500ms, 30s, 5m, 72h or 7d";
-    let months_or_years = text
-        .split(|c: char| !c.is_ascii_alphabetic())
-        .find(|unit| matches!(*unit, "M" | "month" | "months" | "y" | "year" | "years"));
+    let months_or_years = text.split(|c: char| !c.is_ascii_alphabetic()).find(|unit| {
+        matches!(
+            *unit,
+            "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
+        )
+    });
     if let Some(unit) = months_or_years {
         return Err(format!(
             "`{text}`: `{unit}` is months or years, which are not accepted ({HINT}; `m` is minutes)"
@@ -163,7 +166,9 @@ mod tests {
     fn months_and_years_are_refused_and_minutes_are_not() {
         assert_eq!(parse("5m").unwrap(), Duration::from_secs(300));
         assert_eq!(parse("1h 30m").unwrap(), Duration::from_secs(5_400));
-        for text in ["5M", "1month", "2 months", "1y", "1year 2d", "3years"] {
+        for text in [
+            "5M", "1month", "2 months", "1y", "1yr", "2yrs", "1year 2d", "3years",
+        ] {
             let error = parse(text).unwrap_err();
             assert!(error.contains("months or years"), "{text}: {error}");
         }
