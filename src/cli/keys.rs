@@ -25,13 +25,20 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
             limit,
             json,
         } => {
+            // One more than shown, to tell whether the list was cut short.
             let filter = KeyFilter {
                 source,
                 status: status.map(Into::into),
-                limit,
+                limit: limit.saturating_add(1),
             };
-            let records = store.list(&filter).await.map_err(explain)?;
+            let mut records = store.list(&filter).await.map_err(explain)?;
+            let more = records.len() > limit as usize;
+            records.truncate(limit as usize);
             super::print(&render_list(&records, json))?;
+            if more {
+                // On stderr, which leaves stdout a table or a JSON array.
+                eprintln!("more keys match: these are the newest {limit}; --limit shows more");
+            }
         }
         KeysCommand::Show { source, key, json } => {
             match store.show(&source, &key).await.map_err(explain)? {

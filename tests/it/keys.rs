@@ -198,6 +198,13 @@ async fn keys_list_prints_a_table_newest_first_and_filters_it(backend: Backend) 
     assert_eq!(listed(&done), ["orders/evt_done"]);
     let newest = keys(&["keys", "list", "--limit", "1"], &config);
     assert_eq!(listed(&newest), ["json/evt_processing"]);
+    assert_eq!(
+        newest.stderr,
+        "more keys match: these are the newest 1; --limit shows more\n"
+    );
+    let exactly = keys(&["keys", "list", "--limit", "3"], &config);
+    assert_eq!(listed(&exactly).len(), 3);
+    assert_eq!(exactly.stderr, "", "nothing more matches");
     let none = keys(
         &[
             "keys",
@@ -425,7 +432,7 @@ async fn output_to_a_closed_pipe_ends_quietly_and_to_a_full_disk_fails(backend: 
     let command = || {
         let mut command = std::process::Command::new(crate::cli::BINARY);
         command
-            .args(["keys", "list", "--limit", "3000", "--config"])
+            .args(["keys", "list", "--limit", "5000", "--config"])
             .arg(&path)
             .stderr(std::process::Stdio::piped());
         command
