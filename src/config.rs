@@ -657,6 +657,14 @@ mod tests {
             parse("defaults: { done_on: [99] }"),
             Err(Problem::Parse(_))
         ));
+        for (other, found) in [("true", "`true`"), ("[2xx]", "`- 2xx`"), ("~", "`null`")] {
+            let refused = parse(&format!("defaults: {{ done_on: [{other}] }}"));
+            assert!(
+                matches!(&refused, Err(Problem::Parse(said))
+                    if said.contains(&format!("expected a status code (200) or class (2xx), found {found}"))),
+                "{other}: {refused:?}"
+            );
+        }
         // No claim is settled by an informational status.
         for informational in ["1xx", "100", "103"] {
             let refused = parse(&format!("defaults: {{ done_on: [\"{informational}\"] }}"));

@@ -225,15 +225,18 @@ impl fmt::Display for StatusMatch {
 
 impl<'de> Deserialize<'de> for StatusMatch {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Code(u64),
-            Text(String),
-        }
-        let text = match Raw::deserialize(deserializer)? {
-            Raw::Code(code) => code.to_string(),
-            Raw::Text(text) => text,
+        let text = match serde_yaml::Value::deserialize(deserializer)? {
+            serde_yaml::Value::Number(number) => number.to_string(),
+            serde_yaml::Value::String(text) => text,
+            other => {
+                return Err(serde::de::Error::custom(format!(
+                    "expected a status code (200) or class (2xx), found {}",
+                    serde_yaml::to_string(&other).map_or_else(
+                        |_| "something else".to_owned(),
+                        |yaml| format!("`{}`", yaml.trim_end())
+                    )
+                )));
+            }
         };
         StatusMatch::parse(&text).map_err(serde::de::Error::custom)
     }
