@@ -135,6 +135,11 @@ struct ShutdownSignals {
 impl ShutdownSignals {
     fn listen() -> anyhow::Result<Self> {
         let listen = |kind| signal(kind).context("cannot listen for shutdown signals");
+        // SIGHUP's default action would end the process on the spot if one
+        // came during start-up (a configuration reloader signalling every
+        // process as a pod starts); once listened for, it never does again.
+        // The server listens for it itself to reload certificates.
+        drop(listen(SignalKind::hangup())?);
         Ok(Self {
             terminate: listen(SignalKind::terminate())?,
             interrupt: listen(SignalKind::interrupt())?,

@@ -1015,3 +1015,56 @@ async fn get_status(addr: std::net::SocketAddr) -> String {
     let _ = stream.read_to_string(&mut answer).await;
     answer
 }
+
+/// A SIGHUP during start-up (a configuration reloader signalling every
+/// process as a pod starts) does not end the process. Here start-up waits
+/// for the SQLite file's write lock, which another process holds, and ends
+/// as it would have without the signal: exit 1, naming the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_during_start_up_does_not_end_the_process() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let holder = rusqlite::Connection::open(store.url.strip_prefix("sqlite://").unwrap()).unwrap();
+    holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let upstream = Upstream::start().await;
+    let config = process_config(&upstream, &store.url, "").replace(
+        &format!("url: '{}' }}", store.url),
+        &format!("url: '{}', timeout: 5s }}", store.url),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, config).unwrap();
+    let child = Command::new(BINARY)
+        .args(["run", "--config"])
+        .arg(&path)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    // Start-up has begun once the process catches SIGTERM (bit 14 of
+    // `SigCgt`); it catches SIGHUP (bit 0) from then on, or never.
+    let caught = || {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let mask = status
+            .lines()
+            .find_map(|line| line.strip_prefix("SigCgt:"))?;
+        u64::from_str_radix(mask.trim(), 16).ok()
+    };
+    let started = async {
+        while caught().is_none_or(|mask| mask & (1 << 14) == 0) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), started)
+        .await
+        .expect("start-up begins");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let ended = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&ended.stderr);
+    assert_eq!(ended.status.code(), Some(1), "{:?}: {stderr}", ended.status);
+    assert!(stderr.contains("database is locked"), "{stderr}");
+    holder.execute_batch("ROLLBACK").unwrap();
+}
