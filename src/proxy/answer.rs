@@ -299,12 +299,21 @@ fn duplicate(status: StatusCode) -> Response<Body> {
 }
 
 fn json_response(status: StatusCode, body: Bytes) -> Response<Body> {
+    // hyper leaves out the body of a 204 or 304 itself, but not of a 205,
+    // which RFC 9110 also says has none (a configurable status can be one).
+    let body = if status == StatusCode::RESET_CONTENT {
+        Bytes::new()
+    } else {
+        body
+    };
     let mut response = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
     *response.status_mut() = status;
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    if status != StatusCode::RESET_CONTENT {
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+    }
     response
 }
 
@@ -394,6 +403,23 @@ mod tests {
             assert_eq!(response.headers()["content-type"], "application/json");
             let sent = response.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(std::str::from_utf8(&sent).unwrap(), body);
+        }
+    }
+
+    /// RFC 9110 gives a 205 no content; hyper leaves out only a 204's and a
+    /// 304's body.
+    #[tokio::test]
+    async fn a_205_answer_has_no_body() {
+        let wait = Duration::from_secs(1);
+        for answer in [
+            Answer::Duplicate(StatusCode::RESET_CONTENT),
+            Answer::InFlight(StatusCode::RESET_CONTENT, wait),
+        ] {
+            let response = answer.into_response();
+            assert_eq!(response.status(), 205);
+            assert!(response.headers().get("content-type").is_none());
+            let sent = response.into_body().collect().await.unwrap().to_bytes();
+            assert!(sent.is_empty());
         }
     }
 }
