@@ -255,6 +255,21 @@ fn check_config_prints_the_effective_config_with_the_password_redacted() {
     assert!(out.stdout.contains("REDACTED"));
 }
 
+/// What `check-config` prints checks the same: the same effective
+/// configuration, and no warning the original did not get (a route that signs
+/// no timestamp is printed with the default tolerance).
+#[test]
+fn check_config_output_checks_as_the_original_did() {
+    let config = "routes:\n  - { name: gh, path: /gh, provider: github, secrets: [{ env: HOME }] }\n  - { name: orders, path: /hooks/orders, key: { header: X-Event-Id } }\n";
+    let first = run(&["check-config"], Some(config), &[]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    assert!(first.stdout.contains("tolerance: 5m"), "{}", first.stdout);
+    let second = run(&["check-config"], Some(&first.stdout), &[]);
+    assert_eq!(second.code, 0, "{}", second.stderr);
+    assert_eq!(second.stdout, first.stdout);
+    assert_eq!(second.stderr, first.stderr);
+}
+
 /// Every default SPEC section 5 names, as check-config prints them for a
 /// configuration that sets nothing but one route.
 #[test]
