@@ -299,16 +299,19 @@ fn duplicate(status: StatusCode) -> Response<Body> {
 }
 
 fn json_response(status: StatusCode, body: Bytes) -> Response<Body> {
-    // hyper leaves out the body of a 204 or 304 itself, but not of a 205,
-    // which RFC 9110 also says has none (a configurable status can be one).
-    let body = if status == StatusCode::RESET_CONTENT {
-        Bytes::new()
-    } else {
-        body
-    };
+    // RFC 9110 gives a 204, 205 or 304 no content (a configurable status can
+    // be one). hyper leaves out a 204's or 304's body over HTTP/1 only; over
+    // HTTP/2 the sender would take the body for a protocol error.
+    let without_content = [
+        StatusCode::NO_CONTENT,
+        StatusCode::RESET_CONTENT,
+        StatusCode::NOT_MODIFIED,
+    ]
+    .contains(&status);
+    let body = if without_content { Bytes::new() } else { body };
     let mut response = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
     *response.status_mut() = status;
-    if status != StatusCode::RESET_CONTENT {
+    if !without_content {
         response.headers_mut().insert(
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
@@ -406,17 +409,18 @@ mod tests {
         }
     }
 
-    /// RFC 9110 gives a 205 no content; hyper leaves out only a 204's and a
-    /// 304's body.
+    /// RFC 9110 gives a 204, 205 or 304 no content; hyper leaves out only a
+    /// 204's and a 304's body, and over HTTP/1 only.
     #[tokio::test]
-    async fn a_205_answer_has_no_body() {
+    async fn answers_without_content_have_no_body() {
         let wait = Duration::from_secs(1);
         for answer in [
+            Answer::Duplicate(StatusCode::NO_CONTENT),
             Answer::Duplicate(StatusCode::RESET_CONTENT),
-            Answer::InFlight(StatusCode::RESET_CONTENT, wait),
+            Answer::Duplicate(StatusCode::NOT_MODIFIED),
+            Answer::InFlight(StatusCode::NOT_MODIFIED, wait),
         ] {
             let response = answer.into_response();
-            assert_eq!(response.status(), 205);
             assert!(response.headers().get("content-type").is_none());
             let sent = response.into_body().collect().await.unwrap().to_bytes();
             assert!(sent.is_empty());

@@ -582,6 +582,30 @@ async fn a_sender_that_half_closes_after_its_request_still_gets_the_answer() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+/// A duplicate answered 204, 205 or 304 carries no content, over HTTP/2 as
+/// over HTTP/1.1 (where hyper would leave out a 204's or 304's body itself);
+/// over HTTP/2 content would be a protocol error to the sender.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_answered_without_content_carry_none_over_http2() {
+    for status in [204, 205, 304] {
+        let app = TestApp::spawn(Backend::Sqlite, |config| {
+            config.routes[0].duplicate_status = Some(status);
+        })
+        .await;
+        let tcp = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+        let mut sender = crate::support::http2_sender(tcp).await;
+        let first = crate::support::send_http2(&mut sender, "/hooks/orders", "evt_empty").await;
+        assert_eq!(first.outcome(), "forwarded");
+        let duplicate = crate::support::send_http2(&mut sender, "/hooks/orders", "evt_empty").await;
+        assert_eq!(
+            (duplicate.status, duplicate.outcome()),
+            (status, "duplicate")
+        );
+        assert_eq!(duplicate.body, "", "{status}");
+        assert!(duplicate.header("content-type").is_none(), "{status}");
+    }
+}
+
 /// HTTP/2 without TLS, with prior knowledge: the connection preface decides
 /// the protocol. Deduplication and pass-through work as over HTTP/1.1, and
 /// the upstream is spoken to in HTTP/1.1.
