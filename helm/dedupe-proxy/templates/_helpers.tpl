@@ -97,8 +97,10 @@ upstream set by the chart.
 {{- $upstream := deepCopy ($config.upstream | default dict) -}}
 {{- $_ := set $upstream "url" (include "dedupe-proxy.upstreamUrl" .) -}}
 {{- $_ := set $config "upstream" $upstream -}}
-{{- $_ := set $config "listen" (printf "0.0.0.0:%d" (int .Values.ports.webhook)) -}}
-{{- $_ := set $config "admin_listen" (printf "0.0.0.0:%d" (int .Values.ports.admin)) -}}
+{{- $host := .Values.listenAddress | default "0.0.0.0" -}}
+{{- if contains ":" $host -}}{{- $host = printf "[%s]" $host -}}{{- end -}}
+{{- $_ := set $config "listen" (printf "%s:%d" $host (int .Values.ports.webhook)) -}}
+{{- $_ := set $config "admin_listen" (printf "%s:%d" $host (int .Values.ports.admin)) -}}
 {{- toYaml $config -}}
 {{- end -}}
 
@@ -153,6 +155,9 @@ still open take up to one) + margin, so SIGKILL never cuts the drain short.
 {{- $path := trimPrefix "sqlite://" ((.Values.config.store | default dict).url | default "sqlite://dedupe.db") -}}
 {{- if or (and (hasPrefix "/" $path) (not (hasPrefix "/data/" $path))) (contains ".." $path) -}}
 {{- fail (printf "config.store.url: the SQLite file %q must be on the persistent volume, under /data (a relative path is, e.g. sqlite://dedupe.db): elsewhere the read-only root filesystem refuses it, and its keys would not outlive the pod" $path) -}}
+{{- end -}}
+{{- if contains "/" (trimPrefix "/data/" $path) -}}
+{{- fail (printf "config.store.url: the SQLite file %q must be directly in /data (e.g. sqlite:///data/dedupe.db): the proxy creates the file but not its directory, which a new volume does not have" $path) -}}
 {{- end -}}
 {{- end -}}
 {{- if and (include "dedupe-proxy.sqlite" .) (not .Values.persistence.enabled) -}}
