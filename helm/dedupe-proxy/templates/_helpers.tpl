@@ -160,6 +160,9 @@ still open take up to one) + margin, so SIGKILL never cuts the drain short.
 {{- fail (printf "config.store.url: the SQLite file %q must be directly in /data (e.g. sqlite:///data/dedupe.db): the proxy creates the file but not its directory, which a new volume does not have" $path) -}}
 {{- end -}}
 {{- end -}}
+{{- if and .Values.serviceMonitor.enabled .Values.networkPolicy.enabled (not .Values.networkPolicy.adminFrom) -}}
+{{- fail "serviceMonitor.enabled with networkPolicy.enabled needs networkPolicy.adminFrom (where Prometheus scrapes from): the NetworkPolicy would close the admin port to it" -}}
+{{- end -}}
 {{- if and (include "dedupe-proxy.sqlite" .) (not .Values.persistence.enabled) -}}
 {{- fail "the SQLite store needs persistence.enabled: on an emptyDir its keys are lost with the pod, and events processed before a restart or a rollout are forwarded again; or use PostgreSQL (storeUrlSecret)" -}}
 {{- end -}}
