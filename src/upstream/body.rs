@@ -8,9 +8,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http_body_util::combinators::BoxBody;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Why a sender's body streamed to the upstream ended before it was whole.
@@ -49,7 +49,7 @@ impl StreamedBody {
         let end = (!body.is_end_stream()).then(|| {
             Arc::new(BodyEnd {
                 at: OnceLock::new(),
-                ended: Notify::new(),
+                watcher: AtomicWaker::new(),
                 due: deadline,
             })
         });
@@ -81,33 +81,45 @@ impl StreamedBody {
 #[derive(Debug)]
 pub struct BodyEnd {
     at: OnceLock<Instant>,
-    ended: Notify,
+    /// The request waiting for the body to be over, if it waits.
+    watcher: AtomicWaker,
+    /// When the body must be over.
     due: Instant,
 }
 
 impl BodyEnd {
     fn mark(&self) {
         if self.at.set(Instant::now()).is_ok() {
-            self.ended.notify_waiters();
+            self.watcher.wake();
         }
     }
 
-    /// When the body was over, or was due, if it was not over by then: the
-    /// body's own deadline ends a sender's stall, but only while the
-    /// upstream connection takes the body, and an upstream that reads
-    /// nothing must not hold the request past its own deadline, counted
-    /// from there.
-    pub(super) async fn over(&self) -> Instant {
-        let ended = self.ended.notified();
-        tokio::pin!(ended);
-        ended.as_mut().enable();
-        if let Some(at) = self.at.get() {
-            return *at;
-        }
-        tokio::select! {
-            () = ended => *self.at.get().expect("set before waiters are told"),
-            () = tokio::time::sleep_until(self.due) => self.due,
-        }
+    /// When the body was over, once it is.
+    pub(super) fn over(&self) -> impl Future<Output = Instant> + '_ {
+        std::future::poll_fn(|cx| {
+            self.watcher.register(cx.waker());
+            match self.at.get() {
+                Some(&over) => Poll::Ready(over),
+                None => Poll::Pending,
+            }
+        })
+    }
+
+    /// Asked at `now`, when an answer was due and has not come: when it is
+    /// due instead, if later, and whether to wait for [`Self::over`] as
+    /// well. That is `timeout` after the body was over; for a body not yet
+    /// over, when it must be, or `timeout` after it is over, if sooner; and
+    /// for a body not over by then, `timeout` after that. The body's own
+    /// deadline ends a sender's stall, but only while the upstream
+    /// connection takes the body: an upstream that reads nothing must not
+    /// hold the request for ever.
+    pub(super) fn answer_due(&self, now: Instant, timeout: Duration) -> Option<(Instant, bool)> {
+        let (due, watch) = match self.at.get() {
+            Some(&over) => (over + timeout, false),
+            None if now < self.due => (self.due, true),
+            None => (self.due + timeout, false),
+        };
+        (due > now).then_some((due, watch))
     }
 }
 
@@ -280,5 +292,50 @@ impl Body for ResponseBody {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TIMEOUT: Duration = Duration::from_secs(30);
+
+    fn body_due_in(seconds: u64) -> (BodyEnd, Instant) {
+        let start = Instant::now();
+        let end = BodyEnd {
+            at: OnceLock::new(),
+            watcher: AtomicWaker::new(),
+            due: start + Duration::from_secs(seconds),
+        };
+        (end, start)
+    }
+
+    /// The answer is due `timeout` after the body was over, however long
+    /// the upload took, and not before.
+    #[test]
+    fn an_answer_is_due_a_timeout_after_the_body_was_over() {
+        let (end, start) = body_due_in(60);
+        let over = start + Duration::from_secs(40);
+        end.at.set(over).unwrap();
+        let asked = start + TIMEOUT;
+        assert_eq!(
+            end.answer_due(asked, TIMEOUT),
+            Some((over + TIMEOUT, false))
+        );
+        assert_eq!(end.answer_due(over + TIMEOUT, TIMEOUT), None);
+    }
+
+    /// A body still coming is waited for, and looked at again when it must
+    /// be over; one
+    /// that never is (an upstream that stopped taking it) gives the upstream
+    /// `timeout` from then.
+    #[test]
+    fn a_body_not_yet_over_puts_the_answer_off_to_its_own_deadline_then_a_timeout() {
+        let (end, start) = body_due_in(60);
+        let due = start + Duration::from_secs(60);
+        assert_eq!(end.answer_due(start + TIMEOUT, TIMEOUT), Some((due, true)));
+        assert_eq!(end.answer_due(due, TIMEOUT), Some((due + TIMEOUT, false)));
+        assert_eq!(end.answer_due(due + TIMEOUT, TIMEOUT), None);
     }
 }

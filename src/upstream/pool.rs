@@ -173,12 +173,33 @@ impl Pool {
                     (connection, deadline, false)
                 }
             };
-            let sent = tokio::select! {
-                biased;
-                sent = connection.sender.try_send_request(request) => sent,
-                () = answer_due(&mut deadline, body_end, self.timeout) => {
-                    let _ = connection.reset.send(());
-                    return Err(UpstreamError::Timeout(self.timeout));
+            let sent = {
+                let mut sending = std::pin::pin!(connection.sender.try_send_request(request));
+                // Set while the answer's deadline waits for a streamed body
+                // to be over (nearly never: most bodies are, long before).
+                let mut watched: Option<&BodyEnd> = None;
+                loop {
+                    tokio::select! {
+                        biased;
+                        sent = &mut sending => break sent,
+                        over = async { watched.expect("guarded").over().await }, if watched.is_some() => {
+                            deadline.as_mut().reset(over + self.timeout);
+                            watched = None;
+                        }
+                        () = &mut deadline => {
+                            let now = tokio::time::Instant::now();
+                            match body_end.and_then(|end| end.answer_due(now, self.timeout)) {
+                                Some((later, watch)) => {
+                                    deadline.as_mut().reset(later);
+                                    watched = body_end.filter(|_| watch);
+                                }
+                                None => {
+                                    let _ = connection.reset.send(());
+                                    return Err(UpstreamError::Timeout(self.timeout));
+                                }
+                            }
+                        }
+                    }
                 }
             };
             match sent {
@@ -260,18 +281,6 @@ impl Pool {
 
 /// What a failed exchange was: the sender's body failing on its way, or the
 /// upstream failing.
-/// Waits out `deadline`, moved, for a body still streaming when it passed,
-/// to `timeout` after the body was over.
-async fn answer_due(deadline: &mut Pin<Box<Sleep>>, body_end: Option<&BodyEnd>, timeout: Duration) {
-    deadline.as_mut().await;
-    if let Some(end) = body_end {
-        // Boxed: every request's future would otherwise carry room for it.
-        let over = Box::pin(end.over()).await;
-        deadline.as_mut().reset(over + timeout);
-        deadline.as_mut().await;
-    }
-}
-
 fn failure(error: hyper::Error) -> UpstreamError {
     let mut source = std::error::Error::source(&error);
     while let Some(cause) = source {
