@@ -59,14 +59,23 @@ impl Config {
                 "upstream.url: `{upstream_url}`: a query or fragment is not supported (each request is forwarded with its own query)"
             ),
         );
-        check(
-            !self.upstream.timeout.is_zero(),
-            "upstream.timeout: must be greater than zero".into(),
-        );
-        check(
-            !self.upstream.connect_timeout.is_zero(),
-            "upstream.connect_timeout: must be greater than zero".into(),
-        );
+        // Shorter than any round trip: a unit mistyped (`us` for `s`) that
+        // would fail every request.
+        for (field, value) in [
+            ("upstream.timeout", self.upstream.timeout),
+            ("upstream.connect_timeout", self.upstream.connect_timeout),
+            (
+                "limits.header_read_timeout",
+                self.limits.header_read_timeout,
+            ),
+            ("limits.body_read_timeout", self.limits.body_read_timeout),
+            ("store.timeout", self.store.timeout),
+        ] {
+            check(
+                value >= Duration::from_millis(1),
+                format!("{field}: must be at least 1ms"),
+            );
+        }
         check(
             self.store.lease > self.upstream.timeout,
             format!(
@@ -98,14 +107,8 @@ impl Config {
             ),
         );
         for (field, value) in [
-            (
-                "limits.header_read_timeout",
-                self.limits.header_read_timeout,
-            ),
-            ("limits.body_read_timeout", self.limits.body_read_timeout),
             ("store.retention", self.store.retention),
             ("store.prune_interval", self.store.prune_interval),
-            ("store.timeout", self.store.timeout),
         ] {
             check(
                 !value.is_zero(),
@@ -601,6 +604,29 @@ mod tests {
 
     const ROUTE: &str =
         "routes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]";
+
+    /// A timeout shorter than any round trip is a mistyped unit, and would
+    /// fail every request.
+    #[test]
+    fn timeouts_are_at_least_a_millisecond() {
+        let timeouts = "upstream: { timeout: 500us, connect_timeout: 0s }\nlimits: { header_read_timeout: 999us, body_read_timeout: 0ms }\nstore: { timeout: 1us }\n";
+        let found = problems(&format!("{timeouts}{ROUTE}"));
+        for field in [
+            "upstream.timeout",
+            "upstream.connect_timeout",
+            "limits.header_read_timeout",
+            "limits.body_read_timeout",
+            "store.timeout",
+        ] {
+            assert!(
+                found.iter().any(|problem| problem.starts_with(field)
+                    && problem.ends_with("must be at least 1ms")),
+                "{field}: {found:?}"
+            );
+        }
+        let shortest = "upstream: { timeout: 1ms, connect_timeout: 1ms }\nlimits: { header_read_timeout: 1ms, body_read_timeout: 1ms }\nstore: { timeout: 1ms, lease: 1s }\n";
+        parse(&format!("{shortest}{ROUTE}")).unwrap();
+    }
 
     #[test]
     fn a_log_level_that_is_neither_a_level_nor_a_directive_is_an_error() {
