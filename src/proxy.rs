@@ -296,7 +296,7 @@ impl Proxy {
         let sent_at = Instant::now();
         let result = self
             .upstream
-            .send(parts, Outgoing::Streamed(body), peer, None)
+            .send(parts, Outgoing::Streamed(body), peer, None, None)
             .await;
         let upstream_time = sent_at.elapsed();
         let result = match result {

@@ -79,15 +79,18 @@ pub fn fatal(format: LogFormat, queued: Option<WorkerGuard>, message: &str) {
     drop(queued);
     match format {
         LogFormat::Text => eprintln!("error: {message}"),
-        LogFormat::Json => eprintln!(
-            "{}",
-            serde_json::json!({
-                "timestamp": humantime::format_rfc3339_micros(SystemTime::now()).to_string(),
-                "level": "ERROR",
-                "message": message,
-                "target": env!("CARGO_CRATE_NAME"),
-            })
-        ),
+        // Written field by field, in the order of every other line's (a
+        // `serde_json` map would sort them).
+        LogFormat::Json => {
+            let text = |value: &str| serde_json::Value::from(value).to_string();
+            let now = humantime::format_rfc3339_micros(SystemTime::now()).to_string();
+            eprintln!(
+                r#"{{"timestamp":{},"level":"ERROR","message":{},"target":{}}}"#,
+                text(&now),
+                text(message),
+                text(env!("CARGO_CRATE_NAME")),
+            );
+        }
     }
 }
 

@@ -8,6 +8,7 @@ mod body;
 mod pool;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, GetAll, HeaderMap, HeaderName, HeaderValue};
@@ -62,8 +63,16 @@ pub struct Upstream {
     base_path: String,
 }
 
+/// The route and delivery a response answers, for its warnings.
+#[derive(Debug)]
+pub struct Origin {
+    route: Arc<str>,
+    /// `X-Dedupe-Key`, percent-encoded; none for a request without a key.
+    key: Option<HeaderValue>,
+    attempt: Option<i32>,
+}
+
 /// The `X-Dedupe-*` fields the upstream gets with a deduplicated request.
-#[derive(Debug, Clone)]
 pub struct DedupeHeaders {
     /// `X-Dedupe-Key`, already percent-encoded.
     pub key: HeaderValue,
@@ -138,14 +147,21 @@ impl Upstream {
         mut parts: Parts,
         body: Outgoing,
         peer: Peer,
+        route: Option<&Arc<str>>,
         dedupe: Option<DedupeHeaders>,
     ) -> impl Future<Output = Result<Response<ResponseBody>, UpstreamError>> + '_ {
         // The request is prepared before the future is made, so the future
         // holds only the finished request: it is boxed or moved on every
         // request, and a smaller one is cheaper to allocate and copy.
-        // Kept for the response body's warnings: they come after the
-        // webhook's own log line, and must name its key.
-        let origin = dedupe.clone().map(Box::new);
+        // Kept for the response body's warnings, which come after the
+        // request's own log line: boxed, and for a route's requests only.
+        let origin = route.map(|route| {
+            Box::new(Origin {
+                route: Arc::clone(route),
+                key: dedupe.as_ref().map(|dedupe| dedupe.key.clone()),
+                attempt: dedupe.as_ref().and_then(|dedupe| dedupe.attempt),
+            })
+        });
         prepare_request_headers(&mut parts, &peer, dedupe, &self.default_host);
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
@@ -167,8 +183,8 @@ impl Upstream {
     async fn exchange(
         &self,
         request: Request<RequestBody>,
-        end: Option<std::sync::Arc<BodyEnd>>,
-        origin: Option<Box<DedupeHeaders>>,
+        end: Option<Arc<BodyEnd>>,
+        origin: Option<Box<Origin>>,
     ) -> Result<Response<ResponseBody>, UpstreamError> {
         let mut response = self.pool.send(request, end.as_deref()).await?;
         // Only an answer to `Upgrade`, which is never forwarded: passed on,

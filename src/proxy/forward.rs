@@ -112,6 +112,7 @@ impl Proxy {
                 request.parts,
                 Outgoing::Whole(request.body),
                 request.peer,
+                Some(&route.name),
                 Some(dedupe),
             )
             .await;
@@ -165,6 +166,7 @@ impl Proxy {
                 request.parts,
                 Outgoing::Whole(request.body),
                 request.peer,
+                Some(&route.name),
                 dedupe,
             )
             .await;

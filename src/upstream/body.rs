@@ -123,6 +123,15 @@ impl BodyEnd {
     }
 }
 
+// hyper drops a body it has sent whole without asking it for more: after
+// trailers, or once a known length is written (an HTTP/2 sender's stream may
+// end in a frame of its own, after the last data).
+impl Drop for StreamedBody {
+    fn drop(&mut self) {
+        self.ended();
+    }
+}
+
 impl Body for StreamedBody {
     type Data = Bytes;
     type Error = SenderBodyError;
@@ -179,7 +188,7 @@ pub struct ResponseBody {
     body: Incoming,
     timeout: Duration,
     /// The delivery the response answers; none for an unmatched request.
-    origin: Option<Box<super::DedupeHeaders>>,
+    origin: Option<Box<super::Origin>>,
     // Made on the second wait in a row only: a body that arrives with its
     // head, or right behind it (nearly every one), costs no timer.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -208,7 +217,7 @@ impl ResponseBody {
     pub(super) fn new(
         body: Incoming,
         timeout: Duration,
-        origin: Option<Box<super::DedupeHeaders>>,
+        origin: Option<Box<super::Origin>>,
     ) -> Self {
         Self {
             body,
@@ -228,12 +237,14 @@ impl ResponseBody {
             tracing::warn!(route = "unmatched", %error, "{CUT_OFF}");
             return;
         };
-        let route = String::from_utf8_lossy(origin.source.as_bytes());
         // As the webhook's own line has it, not as `X-Dedupe-Key` carries it.
-        let key = percent_encoding::percent_decode(origin.key.as_bytes()).decode_utf8_lossy();
+        let key = origin
+            .key
+            .as_ref()
+            .map(|key| percent_encoding::percent_decode(key.as_bytes()).decode_utf8_lossy());
         tracing::warn!(
-            route = &*route,
-            key = &*key,
+            route = &*origin.route,
+            key = key.as_deref(),
             attempt = origin.attempt,
             %error,
             "{CUT_OFF}"

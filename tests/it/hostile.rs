@@ -655,6 +655,63 @@ async fn an_unmatched_upload_does_not_spend_the_upstreams_time() {
     .await;
 }
 
+/// A body hyper stops asking for once it has sent it whole, rather than
+/// reading its end (after trailers; once an HTTP/2 sender's declared length
+/// is in, its stream ending in a frame of its own), is over then too: an
+/// upstream that hangs gets `upstream.timeout` from there, not
+/// `limits.body_read_timeout` more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_sent_whole_starts_the_upstreams_time_however_it_ends() {
+    use http_body_util::BodyExt;
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.timeout = Duration::from_secs(1);
+        config.limits.body_read_timeout = Duration::from_secs(60);
+    })
+    .await;
+    app.upstream
+        .script("/hangs", [Behavior::Hang, Behavior::Hang]);
+    fn answered<T>(read: Result<T, tokio::time::error::Elapsed>) -> T {
+        read.expect("answered within 20 s, not after body_read_timeout")
+    }
+    let mut trailers = TcpStream::connect(app.addr).await.unwrap();
+    trailers
+        .write_all(b"POST /hangs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-sum: 1\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = [0u8; 64];
+    let read =
+        answered(tokio::time::timeout(Duration::from_secs(20), trailers.read(&mut answer)).await)
+            .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]);
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    // The data, then the end of the stream in a frame of its own.
+    let (frames, mut to_send) = tokio::sync::mpsc::channel::<Bytes>(1);
+    let body = http_body_util::StreamBody::new(futures_util::stream::poll_fn(move |cx| {
+        to_send.poll_recv(cx).map(|data| {
+            data.map(|data| Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(data)))
+        })
+    }));
+    let request = http::Request::post("http://x/hangs")
+        .header("content-length", "5")
+        .body(body.boxed())
+        .unwrap();
+    let response = tokio::spawn(async move { sender.send_request(request).await });
+    frames.send(Bytes::from_static(b"hello")).await.unwrap();
+    drop(frames);
+    let response = answered(tokio::time::timeout(Duration::from_secs(20), response).await);
+    assert_eq!(response.unwrap().unwrap().status(), 504);
+    assert_eq!(app.upstream.count(), 2, "both reached the upstream whole");
+}
+
 /// With `upstream.timeout` no longer than `limits.body_read_timeout` (their
 /// defaults are equal), an unmatched body that stalls is the sender's
 /// fault: 408, not the upstream's 504.

@@ -131,7 +131,8 @@ async fn an_unmatched_request_logs_its_upstream_time_at_debug() {
 
 /// A response the upstream cuts off after its head reaches the sender cut
 /// off; the warning names the delivery (route, key as the webhook's line has
-/// it, attempt), and an unmatched request's names its route.
+/// it, attempt), a request forwarded without a key its route, and an
+/// unmatched request's says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_cut_off_on_its_way_is_logged_with_its_delivery() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -157,14 +158,24 @@ async fn a_response_cut_off_on_its_way_is_logged_with_its_delivery() {
     });
     let store = TestStore::new(Backend::Sqlite).await;
     let unused = Upstream::start().await;
-    let config = config(&unused, &store.url, "").replace(&unused.url(), &upstream_url);
+    let config = config(
+        &unused,
+        &store.url,
+        "defaults: { on_missing_key: forward }\n",
+    )
+    .replace(&unused.url(), &upstream_url);
     let mut proxy = ProxyProcess::start(&config).await;
     proxy.wait_ready().await;
-    for path in ["/hooks/orders", "/elsewhere"] {
-        let request = Request::post(format!("http://{}{path}", proxy.addr))
-            .header("x-event-id", "evt cut%")
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap();
+    for (path, key) in [
+        ("/hooks/orders", Some("evt cut%")),
+        ("/elsewhere", Some("evt cut%")),
+        ("/hooks/orders", None),
+    ] {
+        let mut request = Request::post(format!("http://{}{path}", proxy.addr));
+        if let Some(key) = key {
+            request = request.header("x-event-id", key);
+        }
+        let request = request.body(Full::new(Bytes::from_static(b"{}"))).unwrap();
         let response = client().request(request).await.unwrap();
         assert_eq!(response.status(), 200);
         let body = http_body_util::BodyExt::collect(response.into_body()).await;
@@ -178,7 +189,7 @@ async fn a_response_cut_off_on_its_way_is_logged_with_its_delivery() {
         .filter(|line| line.contains("cut off on its way to the sender"))
         .map(|line| serde_json::from_str(line).unwrap())
         .collect();
-    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    assert_eq!(warnings.len(), 3, "{warnings:#?}");
     let webhook = &warnings[0];
     assert_eq!(webhook["level"], "WARN");
     assert_eq!(webhook["route"], "orders");
@@ -186,6 +197,9 @@ async fn a_response_cut_off_on_its_way_is_logged_with_its_delivery() {
     assert_eq!(webhook["attempt"], 1);
     assert_eq!(warnings[1]["route"], "unmatched");
     assert!(warnings[1].get("key").is_none(), "{:?}", warnings[1]);
+    // Forwarded without a key (on_missing_key: forward): its route still.
+    assert_eq!(warnings[2]["route"], "orders");
+    assert!(warnings[2].get("key").is_none(), "{:?}", warnings[2]);
 }
 
 /// Posts `{}` to `path`, expects it passed through, stops the proxy and
@@ -508,6 +522,12 @@ async fn the_error_that_stops_the_binary_is_a_json_line_whatever_the_filter() {
         assert!(
             last["timestamp"].as_str().unwrap().ends_with('Z'),
             "{stderr}"
+        );
+        let fields = stderr.lines().last().unwrap();
+        assert!(
+            fields.starts_with(r#"{"timestamp":"#)
+                && fields.contains(r#","level":"ERROR","message":"#),
+            "in the order of every other line's: {fields}"
         );
     }
 }
