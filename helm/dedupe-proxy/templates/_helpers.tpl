@@ -156,7 +156,7 @@ still open take up to one) + margin, so SIGKILL never cuts the drain short.
 {{- if or (and (hasPrefix "/" $path) (not (hasPrefix "/data/" $path))) (contains ".." $path) -}}
 {{- fail (printf "config.store.url: the SQLite file %q must be on the persistent volume, under /data (a relative path is, e.g. sqlite://dedupe.db): elsewhere the read-only root filesystem refuses it, and its keys would not outlive the pod" $path) -}}
 {{- end -}}
-{{- if contains "/" (trimPrefix "/data/" $path) -}}
+{{- if contains "/" (trimPrefix "./" (trimPrefix "/data/" $path)) -}}
 {{- fail (printf "config.store.url: the SQLite file %q must be directly in /data (e.g. sqlite:///data/dedupe.db): the proxy creates the file but not its directory, which a new volume does not have" $path) -}}
 {{- end -}}
 {{- end -}}
