@@ -66,12 +66,6 @@ impl StreamedBody {
     pub(super) fn end(&self) -> Option<Arc<BodyEnd>> {
         self.end.clone()
     }
-
-    fn ended(&self) {
-        if let Some(end) = &self.end {
-            end.mark();
-        }
-    }
 }
 
 /// When a streamed body was over: the upstream is given `upstream.timeout`
@@ -123,12 +117,15 @@ impl BodyEnd {
     }
 }
 
-// hyper drops a body it has sent whole without asking it for more: after
-// trailers, or once a known length is written (an HTTP/2 sender's stream may
-// end in a frame of its own, after the last data).
+// The body is over when hyper drops it: it does once the body has ended,
+// and without asking for more once it has sent it whole (after trailers, or
+// once a known length is written, though an HTTP/2 sender's stream may end in
+// a frame of its own). A body dropped cut short fails its request anyway.
 impl Drop for StreamedBody {
     fn drop(&mut self) {
-        self.ended();
+        if let Some(end) = &self.end {
+            end.mark();
+        }
     }
 }
 
@@ -142,9 +139,6 @@ impl Body for StreamedBody {
     ) -> Poll<Option<Result<Frame<Bytes>, SenderBodyError>>> {
         let this = &mut *self;
         if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
-            if frame.is_none() || this.body.is_end_stream() {
-                this.ended();
-            }
             return Poll::Ready(frame.map(|frame| {
                 let mut frame = frame
                     .map_err(|error| SenderBodyError::Unreadable(crate::error_chain(&error)))?;
@@ -167,11 +161,7 @@ impl Body for StreamedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        let over = self.body.is_end_stream();
-        if over {
-            self.ended();
-        }
-        over
+        self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
