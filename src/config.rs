@@ -45,29 +45,29 @@ pub struct Config {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsConfig>,
     /// The application the proxy forwards to.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub upstream: UpstreamConfig,
     /// Where claims are recorded.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub store: StoreConfig,
     /// Log filter when `RUST_LOG` is not set (`info`, `debug`, or a full
     /// `tracing` filter directive).
     #[serde(default = "default_log_level")]
     pub log_level: String,
     /// Request limits.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub limits: Limits,
     /// How long in-flight requests may run after SIGTERM/SIGINT.
     #[serde(default = "default_shutdown_grace", with = "duration")]
     pub shutdown_grace: Duration,
     /// Per-route behaviour that routes inherit unless they override it.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub defaults: RouteDefaults,
     /// What to do with requests that match no route.
     #[serde(default)]
     pub unmatched: Unmatched,
     /// The webhook endpoints to deduplicate.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub routes: Vec<RouteConfig>,
     /// Where each field is written in the file, for messages about them.
     #[serde(skip)]
@@ -359,6 +359,10 @@ impl Config {
                 .max(preset_retention.unwrap_or_default()),
         );
         route.tolerance.get_or_insert(DEFAULT_TOLERANCE);
+        // Routes match methods case-insensitively, so print them as matched.
+        for method in &mut route.methods {
+            method.make_ascii_uppercase();
+        }
         route
             .done_on
             .get_or_insert_with(|| defaults.done_on.clone());
@@ -434,6 +438,16 @@ pub enum Problem {
     Parse(String),
     /// Values are invalid; one line each.
     Invalid(Vec<String>),
+}
+
+/// A section written empty (`store:`) or as null (`store: ~`) is the same
+/// in YAML, and both mean the defaults.
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 /// An `IP:PORT` address, refused with an example of one: a port alone or a
@@ -711,6 +725,28 @@ mod tests {
         );
         let from_file = invalid("store:\n  url: mysql://db\n", None);
         assert!(from_file.starts_with("store.url (line 2): "), "{from_file}");
+    }
+
+    #[test]
+    fn a_null_section_means_its_defaults() {
+        for text in [
+            "store: ~\nroutes: ~\nlimits: ~\ndefaults: ~\nupstream: ~",
+            "store:\nroutes:\nlimits:\ndefaults:\nupstream:",
+        ] {
+            let config = parse(text).unwrap();
+            assert_eq!(config.store.url, "sqlite://dedupe.db", "{text}");
+            assert!(config.routes.is_empty());
+            assert_eq!(config.limits.max_body_bytes, 1_048_576);
+            assert_eq!(config.upstream.url, "http://127.0.0.1:3000");
+        }
+    }
+
+    #[test]
+    fn methods_print_as_they_match() {
+        let config =
+            parse("routes: [{ name: a, path: /a, methods: [get, Post], key: { header: X-Id } }]")
+                .unwrap();
+        assert_eq!(config.effective().routes[0].methods, ["GET", "POST"]);
     }
 
     #[test]
