@@ -30,7 +30,7 @@ impl Admin {
     /// Answers one admin request.
     pub async fn handle(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
         if request.method() != Method::GET && request.method() != Method::HEAD {
-            let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
+            let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
             response
                 .headers_mut()
                 .insert(header::ALLOW, header::HeaderValue::from_static("GET, HEAD"));

@@ -110,6 +110,25 @@ struct Held {
     body: Option<OwnedSemaphorePermit>,
 }
 
+/// Counts and logs a webhook whose HTTP/2 stream its sender reset once the
+/// body was read, before the claim: hyper drops the request's future then,
+/// and nothing else would.
+struct RecordIfDropped<'a> {
+    proxy: &'a Proxy,
+    route: &'a str,
+    started: Instant,
+}
+
+impl Drop for RecordIfDropped<'_> {
+    fn drop(&mut self) {
+        let answer = Answer::Rejected(Rejection::BadRequest(
+            "the sender reset the stream before the webhook was claimed".into(),
+        ));
+        self.proxy
+            .record(true, self.route, &Trace::default(), &answer, self.started);
+    }
+}
+
 /// A claim this request won, with enough of its lease left to forward.
 struct Won {
     request: ClaimRequest,
@@ -255,6 +274,12 @@ impl Proxy {
                     let answer = Box::pin(self.webhook(route, request, peer, started, held)).await;
                     return respond(answer, false, version);
                 }
+                None if version == Version::HTTP_2 => {
+                    let answer = self
+                        .unmatched_detached(request, peer, started, permit, in_flight)
+                        .await;
+                    return respond(answer, false, version);
+                }
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },
         };
@@ -279,6 +304,38 @@ impl Proxy {
             .with_label_values(&[route, answer.metric_outcome()])
             .inc();
         log_request(webhook, route, trace, answer, started);
+    }
+
+    /// An unmatched HTTP/2 request, run in a task of its own: hyper drops a
+    /// stream's future when its sender resets the stream, which would cut
+    /// off the upstream's exchange midway and leave the request uncounted
+    /// and unlogged. (An HTTP/1 request's future runs to its end when the
+    /// sender hangs up.)
+    async fn unmatched_detached(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        peer: Peer,
+        started: Instant,
+        permit: OwnedSemaphorePermit,
+        in_flight: InFlight,
+    ) -> Answer {
+        let proxy = Arc::clone(self);
+        let exchange = Box::pin(async move {
+            let _held = (permit, in_flight);
+            let (answer, upstream_time) = proxy.unmatched(request, peer, started).await;
+            let trace = Trace {
+                upstream_time,
+                ..Trace::default()
+            };
+            proxy.record(false, UNMATCHED_ROUTE, &trace, &answer, started);
+            answer
+        });
+        self.webhooks.spawn(exchange).await.unwrap_or_else(|error| {
+            let failure = UpstreamError::Failed(format!("request task failed: {error}"));
+            let answer = Answer::UpstreamError(failure);
+            self.record(false, UNMATCHED_ROUTE, &Trace::default(), &answer, started);
+            answer
+        })
     }
 
     /// The answer, and how long the upstream took when it was asked.
@@ -344,8 +401,14 @@ impl Proxy {
             // duplicate. hyper checks for a reset whenever this future
             // waits, and drops it on one, so waiting once here, before the
             // webhook is handed to a task that outlives the sender, lets a
-            // reset stream go unclaimed.
+            // reset stream go unclaimed. Counted and logged all the same.
+            let reset = RecordIfDropped {
+                proxy: self,
+                route: &route.name,
+                started,
+            };
             tokio::task::yield_now().await;
+            std::mem::forget(reset);
         }
         let processing = Arc::clone(self).process(Arc::clone(route), parts, body, peer, started);
         // Boxed, so that the task moves a pointer rather than the whole

@@ -17,6 +17,21 @@ use crate::store::{PruneBatch, PruneGroup, Sources, Store, StoreError};
 /// for long.
 pub const BATCH_SIZE: u32 = 1000;
 
+/// The least time a pruner in another process than the proxy leaves a
+/// SQLite store's write lock alone between two batches. A claim waiting for
+/// the lock looks for it again after a sleep that grows to 100 ms (SQLite's
+/// busy handler); taken again at once, the lock was nearly never free when
+/// it looked, and claims ran out of `store.timeout` while a large backlog
+/// was pruned.
+const LEAST_YIELD: Duration = Duration::from_millis(25);
+
+/// How long to leave the write lock alone after a batch that held it for
+/// `batch_took`: at least as long, so the proxy has the lock at least half
+/// of the time.
+fn yield_after(batch_took: Duration) -> Duration {
+    batch_took.max(LEAST_YIELD)
+}
+
 /// The retention horizon of every source.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrunePlan {
@@ -100,6 +115,7 @@ pub struct Pruner {
     plan: PrunePlan,
     metrics: Metrics,
     batch_size: u32,
+    yields_between_batches: bool,
 }
 
 impl Pruner {
@@ -110,7 +126,15 @@ impl Pruner {
             plan,
             metrics,
             batch_size: BATCH_SIZE,
+            yields_between_batches: false,
         }
+    }
+
+    /// Pauses between batches, for a pruner run beside a live proxy on a
+    /// store with one writer at a time (see [`yield_after`]).
+    pub fn yielding_between_batches(mut self) -> Self {
+        self.yields_between_batches = true;
+        self
     }
 
     /// Changes the rows deleted per statement (at least 1).
@@ -135,6 +159,7 @@ impl Pruner {
                 if stop.is_cancelled() {
                     return Ok(Round::Pruned { deleted });
                 }
+                let started = tokio::time::Instant::now();
                 let batch = self.store.prune(group, self.batch_size);
                 match self.metrics.time_store("prune", batch).await {
                     Ok(PruneBatch::Deleted(count)) => {
@@ -142,6 +167,9 @@ impl Pruner {
                         self.metrics.keys_pruned.inc_by(count);
                         if count < u64::from(self.batch_size) {
                             break;
+                        }
+                        if self.yields_between_batches {
+                            tokio::time::sleep(yield_after(started.elapsed())).await;
                         }
                     }
                     Ok(PruneBatch::Busy) if deleted == 0 => return Ok(Round::Skipped),
@@ -246,6 +274,15 @@ routes:
                     sources: Sources::AllExcept(vec!["repos".into(), "payments".into()])
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn a_pruner_beside_the_proxy_leaves_the_lock_free_at_least_as_long_as_it_held_it() {
+        assert_eq!(yield_after(Duration::from_millis(1)), LEAST_YIELD);
+        assert_eq!(
+            yield_after(Duration::from_millis(80)),
+            Duration::from_millis(80)
         );
     }
 

@@ -168,6 +168,8 @@ impl Application {
                 Arc::clone(&self.admin.schema),
                 stop.clone(),
             ));
+        } else {
+            tokio::spawn(check_table_at_start(self.proxy.store().clone()));
         }
         let pruner_task = tokio::spawn(self.pruner.run(self.prune_interval, stop.clone()));
         tokio::spawn(crate::telemetry::report_dropped_lines(
@@ -364,6 +366,16 @@ async fn reload_on_sighup(
 fn io(stream: TcpStream) -> TokioIo<TcpStream> {
     let _ = stream.set_nodelay(true);
     TokioIo::new(stream)
+}
+
+/// With `store.migrate: false` nothing looks at the table before the first
+/// claim: a missing or unusable one is said at start-up, and not only by
+/// `/readyz` and each webhook refused for it.
+async fn check_table_at_start(store: Store) {
+    match store.ping().await {
+        Ok(()) => tracing::info!("store schema is ready"),
+        Err(error) => tracing::warn!(%error, "the store cannot take claims yet"),
+    }
 }
 
 async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: CancellationToken) {

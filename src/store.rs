@@ -384,6 +384,12 @@ impl Store {
         }
     }
 
+    /// Whether one writer at a time holds the whole store (SQLite's write
+    /// lock), so that another process's writes hold up every claim.
+    pub fn has_one_writer_at_a_time(&self) -> bool {
+        matches!(&*self.backend, AnyBackend::Sqlite(_))
+    }
+
     /// Makes `runtime` the one that talks to the database from now on: for
     /// PostgreSQL, the runtime that opens and drives its connections and
     /// runs its claim and settle batches, so the requests served on its

@@ -95,9 +95,11 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// The sender at `addr`, on a listener that terminates TLS or not.
+    /// The sender at `addr`, on a listener that terminates TLS or not. An
+    /// IPv4 sender on a dual-stack listener (`[::]`) is written as IPv4, as
+    /// the application's address lists have it.
     pub fn new(addr: SocketAddr, tls: bool) -> Self {
-        let ip = HeaderValue::try_from(addr.ip().to_string())
+        let ip = HeaderValue::try_from(addr.ip().to_canonical().to_string())
             .expect("an IP address is a valid field value");
         Self { tls, ip }
     }
@@ -205,7 +207,10 @@ impl Upstream {
     /// request's path and query.
     fn target(&self, uri: &Uri) -> Uri {
         let path_and_query = match uri.path_and_query() {
-            Some(path_and_query) if self.base_path.is_empty() => path_and_query.clone(),
+            // `*` (`OPTIONS *`) asks about the server, not a path under it.
+            Some(path_and_query) if self.base_path.is_empty() || path_and_query == "*" => {
+                path_and_query.clone()
+            }
             path_and_query => {
                 let path_and_query = path_and_query.map_or("/", |pq| pq.as_str());
                 format!("{}{}", self.base_path, path_and_query)
@@ -359,17 +364,33 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     remove_hop_by_hop(headers, present);
 }
 
-/// Removes every `X-Dedupe-*` field, so a sender cannot forge them.
+/// Removes every `X-Dedupe-*` field, so a sender cannot forge them, and
+/// every field that reads as one of the proxy's own once `_` is read as `-`.
 fn strip_dedupe_headers(headers: &mut HeaderMap) {
     // Collecting none (the usual request) allocates nothing.
     let forged: Vec<HeaderName> = headers
         .keys()
-        .filter(|name| name.as_str().starts_with(DEDUPE_PREFIX))
+        .filter(|name| name.as_str().starts_with(DEDUPE_PREFIX) || poses_as_proxy_field(name))
         .cloned()
         .collect();
     for name in forged {
         headers.remove(name);
     }
+}
+
+/// CGI-style application servers (WSGI, Rack, PHP's) read `X_Dedupe_Key`
+/// and `X-Dedupe-Key` as the same variable, and would take the sender's
+/// for the proxy's, or join the two.
+fn poses_as_proxy_field(name: &HeaderName) -> bool {
+    let name = name.as_str();
+    if !name.starts_with('x') || !name.contains('_') {
+        return false;
+    }
+    let read = name.replace('_', "-");
+    read.starts_with(DEDUPE_PREFIX)
+        || [&X_FORWARDED_FOR, &X_FORWARDED_HOST, &X_FORWARDED_PROTO]
+            .iter()
+            .any(|field| field.as_str() == read)
 }
 
 /// Bit `i` stands for `HOP_BY_HOP[i]`. Found in one pass over the names:
@@ -600,7 +621,9 @@ mod tests {
                 "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:5555",
                 "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
             ),
-            ("[::ffff:192.0.2.255]:5555", "::ffff:192.0.2.255"),
+            ("[::ffff:192.0.2.255]:5555", "192.0.2.255"),
+            ("[::ffff:c000:2ff]:5555", "192.0.2.255"),
+            ("[64:ff9b::c000:2ff]:5555", "64:ff9b::c000:2ff"),
         ] {
             let mut parts = parts(&[("x-forwarded-for", "192.0.2.1")]);
             let peer = Peer::new(client.parse().unwrap(), false);
@@ -667,6 +690,28 @@ mod tests {
     }
 
     #[test]
+    fn fields_a_cgi_server_would_read_as_the_proxys_are_dropped() {
+        let mut parts = parts(&[
+            ("x_dedupe_key", "forged"),
+            ("x-dedupe_attempt", "1"),
+            ("x_forwarded_for", "192.0.2.66"),
+            ("x_forwarded_host", "evil.example"),
+            ("x_request_id", "kept"),
+            ("x-forwarded_by", "kept"),
+        ]);
+        prepare_request_headers(&mut parts, &peer(), None, &default_host());
+        let mut names: Vec<&str> = parts
+            .headers
+            .keys()
+            .map(HeaderName::as_str)
+            .filter(|name| name.contains('_'))
+            .collect();
+        names.sort_unstable();
+        assert_eq!(names, ["x-forwarded_by", "x_request_id"]);
+        assert_eq!(parts.headers["x-forwarded-for"], "10.1.2.3");
+    }
+
+    #[test]
     fn forwarded_fields_are_appended_and_host_preserved() {
         let mut parts = parts(&[
             ("host", "hooks.example.com"),
@@ -697,5 +742,6 @@ mod tests {
                 .to_string(),
             "/base/hooks/a?x=1"
         );
+        assert_eq!(upstream.target(&"*".parse().unwrap()).to_string(), "*");
     }
 }

@@ -79,7 +79,11 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
 /// for every source, and prints how many keys it deleted.
 pub async fn prune(config: &Config, older_than: Option<Duration>) -> anyhow::Result<()> {
     let plan = PrunePlan::new(config, older_than);
-    let pruner = Pruner::new(open(config).await?, plan, Metrics::new());
+    let store = open(config).await?;
+    let mut pruner = Pruner::new(store.clone(), plan, Metrics::new());
+    if store.has_one_writer_at_a_time() {
+        pruner = pruner.yielding_between_batches();
+    }
     match pruner.run_once().await {
         Ok(Round::Pruned { deleted }) => super::print(&format!(
             "pruned {deleted} {}\n",

@@ -452,12 +452,14 @@ fn validate_statuses(
             "{at}.duplicate_status: {duplicate_status} is not a final status (200-599)"
         ));
     }
-    if let Some(in_flight_status) = in_flight_status
-        && !(300..=599).contains(&in_flight_status)
-    {
-        problems.push(format!(
-            "{at}.in_flight_status: {in_flight_status} must be 300-599: a 2xx would tell the sender to stop retrying an event that may still fail"
-        ));
+    match in_flight_status {
+        Some(status @ 200..=299) => problems.push(format!(
+            "{at}.in_flight_status: {status} must be 300-599: a 2xx would tell the sender to stop retrying an event that may still fail"
+        )),
+        Some(status) if !(300..=599).contains(&status) => problems.push(format!(
+            "{at}.in_flight_status: {status} must be 300-599: a final status, and not a 2xx"
+        )),
+        _ => {}
     }
 }
 
@@ -1036,9 +1038,22 @@ mod tests {
     fn in_flight_status_may_not_be_2xx() {
         let problems = problems(&format!("defaults: {{ in_flight_status: 202 }}\n{ROUTE}"));
         assert!(
-            problems.iter().any(|p| p.contains("in_flight_status")),
+            problems
+                .iter()
+                .any(|p| p.contains("in_flight_status") && p.contains("a 2xx would tell")),
             "{problems:?}"
         );
+        for status in [100, 600] {
+            let found = self::problems(&format!(
+                "defaults: {{ in_flight_status: {status} }}\n{ROUTE}"
+            ));
+            assert!(
+                found
+                    .iter()
+                    .any(|p| p.contains("in_flight_status") && p.contains("not a 2xx")),
+                "{found:?}"
+            );
+        }
     }
 
     #[test]

@@ -14,9 +14,9 @@ mod session;
 mod shape;
 mod sql;
 
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::error::SqlState;
@@ -45,6 +45,48 @@ pub struct PostgresStore {
     home: Home,
     /// `store.timeout`: how long a claim's caller waits for it.
     claim_timeout: Duration,
+    verdict: Arc<TableVerdict>,
+}
+
+/// What the last look at the table's shape found. Claims are refused while
+/// it is not the claims table (a view, a column missing or of another
+/// type): every other statement is checked against its shape, and a claim
+/// written there could be forwarded and then never settled.
+#[derive(Default)]
+struct TableVerdict {
+    refused: AtomicBool,
+    /// The problem, and when the table was last read.
+    problem: Mutex<Option<(StoreError, Instant)>>,
+    rechecking: AtomicBool,
+}
+
+/// How often claims refused for the table's shape look at it again, so that
+/// a table mended by hand takes claims again without a restart, whether or
+/// not anything polls `/readyz`.
+const RECHECK_TABLE_AFTER: Duration = Duration::from_secs(1);
+
+impl TableVerdict {
+    fn record(&self, result: &Result<Shape, StoreError>) {
+        let refusal = match result {
+            Ok(_) => None,
+            Err(error @ StoreError::NotClaimsTable { .. }) => Some(error.clone()),
+            // The table was not read, so nothing new is known of it.
+            Err(_) => return,
+        };
+        let mut problem = self.problem.lock().unwrap_or_else(PoisonError::into_inner);
+        self.refused.store(refusal.is_some(), Ordering::Release);
+        *problem = refusal.map(|error| (error, Instant::now()));
+    }
+
+    /// The problem, while there is one; whether the table is due another look.
+    fn refusal(&self) -> Option<(StoreError, bool)> {
+        if !self.refused.load(Ordering::Acquire) {
+            return None;
+        }
+        let problem = self.problem.lock().unwrap_or_else(PoisonError::into_inner);
+        let (error, read_at) = problem.as_ref()?;
+        Some((error.clone(), read_at.elapsed() >= RECHECK_TABLE_AFTER))
+    }
 }
 
 /// A pooled connection, given back to the pool when dropped.
@@ -95,6 +137,7 @@ impl PostgresStore {
             batches: OnceLock::new(),
             home,
             claim_timeout: config.timeout,
+            verdict: Arc::default(),
         })
     }
 
@@ -156,14 +199,42 @@ impl PostgresStore {
         &self,
         client: &impl tokio_postgres::GenericClient,
     ) -> Result<Shape, StoreError> {
-        let shape = Shape::read(client, &self.sql.table_regclass).await?;
-        match shape.problem() {
-            None => Ok(shape),
-            Some(problem) => Err(StoreError::NotClaimsTable {
-                table: self.table.clone(),
-                problem,
-            }),
+        let shape = read_shape(client, &self.sql, &self.table).await;
+        self.verdict.record(&shape);
+        shape
+    }
+
+    /// Reads the table's shape again, in the background, for claims refused
+    /// for it; one read at a time.
+    fn recheck_table(&self) {
+        if self.verdict.rechecking.swap(true, Ordering::AcqRel) {
+            return;
         }
+        let (session, sql) = (Arc::clone(&self.session), Arc::clone(&self.sql));
+        let (table, verdict) = (self.table.clone(), Arc::clone(&self.verdict));
+        tokio::spawn(async move {
+            let shape = match session.client().await {
+                Ok(client) => read_shape(&**client, &sql, &table).await,
+                Err(error) => Err(error),
+            };
+            verdict.record(&shape);
+            verdict.rechecking.store(false, Ordering::Release);
+        });
+    }
+}
+
+async fn read_shape(
+    client: &impl tokio_postgres::GenericClient,
+    sql: &Statements,
+    table: &str,
+) -> Result<Shape, StoreError> {
+    let shape = Shape::read(client, &sql.table_regclass).await?;
+    match shape.problem() {
+        None => Ok(shape),
+        Some(problem) => Err(StoreError::NotClaimsTable {
+            table: table.to_owned(),
+            problem,
+        }),
     }
 }
 
@@ -173,14 +244,16 @@ impl Backend for PostgresStore {
         // The catalog read after the lock wait must see the index another
         // replica's migration made meanwhile.
         let transaction = read_committed(&mut client).await?;
-        // Transaction-scoped, so the lock cannot leak through a pooler.
+        // Transaction-scoped, so the lock cannot leak through a pooler. Taken
+        // on the name the table is created under, so that replicas spelling
+        // it differently (`processed_events`, `public.processed_events`)
+        // still wait on each other.
         transaction
             .execute_typed(
-                "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-                &[(
-                    &format!("dedupe-proxy migrate {}", self.sql.table_regclass),
-                    Type::TEXT,
-                )],
+                "SELECT pg_advisory_xact_lock(hashtextextended('dedupe-proxy migrate ' || \
+                 array_to_string(CASE WHEN cardinality(parse_ident($1)) = 1 \
+                 THEN current_schema()::text || parse_ident($1) ELSE parse_ident($1) END, '.'), 0))",
+                &[(&self.sql.table_regclass, Type::TEXT)],
             )
             .await
             .map_err(postgres_error)?;
@@ -231,6 +304,12 @@ impl Backend for PostgresStore {
     }
 
     fn queue_claim(&self, request: &ClaimRequest) -> Result<PendingClaim, StoreError> {
+        if let Some((refusal, look_again)) = self.verdict.refusal() {
+            if look_again {
+                self.recheck_table();
+            }
+            return Err(refusal);
+        }
         self.batches().claims.enqueue(request.clone())
     }
 

@@ -78,7 +78,11 @@ impl SqliteStore {
                     "no such table: {}",
                     config.table
                 ))),
-                Err(reason) => Err(StoreError::Sqlite(format!("cannot open {path}: {reason}"))),
+                Err(reason) => Err(StoreError::Sqlite(format!(
+                    "cannot open {}: {reason}",
+                    std::path::absolute(path)
+                        .map_or_else(|_| path.into(), |full| full.display().to_string())
+                ))),
             };
         }
         if config.table.contains('.') {
@@ -89,16 +93,10 @@ impl SqliteStore {
         }
         let connection =
             open_connection(Path::new(path), config.timeout, create).map_err(|error| {
-                // SQLite says only "unable to open database file", whatever
-                // the cause. A parent that is a file makes `try_exists` fail.
-                let reason = match Path::new(path).try_exists() {
-                    Ok(true) if Path::new(path).is_dir() => "it is a directory".to_owned(),
-                    Ok(false) | Err(_) if create => {
-                        creatable(path).err().unwrap_or(error.to_string())
-                    }
-                    _ => error.to_string(),
-                };
-                StoreError::Sqlite(format!("cannot open {path}: {reason}"))
+                StoreError::Sqlite(format!(
+                    "cannot open {path}: {}",
+                    open_failure(path, create, &error)
+                ))
             })?;
         if create {
             writable(&connection).map_err(|reason| {
@@ -126,12 +124,22 @@ impl SqliteStore {
     }
 
     /// Whether claims could be written now: the database's write lock can be
-    /// had within `store.timeout`. A reader's probe passes while another
-    /// process holds the lock (WAL lets reads through) or the disk refuses
-    /// writes, and every claim fails meanwhile.
+    /// had within `store.timeout`, and a write commits. A reader's probe
+    /// passes while another process holds the lock (WAL lets reads
+    /// through), and taking the lock alone while the disk refuses writes (it
+    /// is full, or was remounted read-only), and every claim fails
+    /// meanwhile. The write sets the header's `user_version` to the value it
+    /// has: one page committed, nothing changed.
     pub(super) async fn take_write_lock(&self) -> Result<(), StoreError> {
-        self.call(|connection| connection.execute_batch("BEGIN IMMEDIATE; ROLLBACK"))
-            .await
+        self.call(|connection| {
+            let transaction =
+                connection.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let version: i64 =
+                transaction.pragma_query_value(None, "user_version", |row| row.get(0))?;
+            transaction.pragma_update(None, "user_version", version)?;
+            transaction.commit()
+        })
+        .await
     }
 
     /// Runs `work` on the store's thread, on its own.
@@ -248,6 +256,22 @@ impl SqliteStore {
             table: self.table.clone(),
             problem,
         }
+    }
+}
+
+/// Why the file at `path` could not be opened (created if `create`).
+fn open_failure(path: &str, create: bool, error: &rusqlite::Error) -> String {
+    // SQLite says only "unable to open database file", whatever the cause.
+    // A parent that is a file makes `try_exists` fail.
+    match Path::new(path).try_exists() {
+        Ok(true) if Path::new(path).is_dir() => "it is a directory".to_owned(),
+        Ok(false) | Err(_) if create => creatable(path).err().unwrap_or(error.to_string()),
+        // A file this process may read but not write, or one whose -wal and
+        // -shm files it may not create beside it.
+        _ if error.sqlite_error_code() == Some(rusqlite::ErrorCode::ReadOnly) => {
+            format!("{error} ({})", file::PERMISSIONS_HINT)
+        }
+        _ => error.to_string(),
     }
 }
 
@@ -591,6 +615,24 @@ mod tests {
         };
         let path = dir.path().join("dedupe.db");
         SqliteStore::open(path.to_str().unwrap(), &config).unwrap()
+    }
+
+    #[test]
+    fn a_file_this_process_may_not_write_is_opened_with_what_to_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dedupe.db");
+        Connection::open(&path).unwrap();
+        // What opening for writes meets where the file is read-only to it.
+        let read_only =
+            Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        let error = read_only
+            .pragma_update(None, "journal_mode", "WAL")
+            .unwrap_err();
+        let reason = open_failure(path.to_str().unwrap(), true, &error);
+        assert!(
+            reason.contains("readonly") && reason.contains(file::PERMISSIONS_HINT),
+            "{reason}"
+        );
     }
 
     /// Keeps the store's thread busy until the sender is dropped, so that

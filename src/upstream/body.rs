@@ -145,6 +145,7 @@ impl Body for StreamedBody {
                 // An application that merges trailers into the head would
                 // otherwise take forged ones for the proxy's.
                 if let Some(trailers) = frame.trailers_mut() {
+                    super::strip_hop_by_hop(trailers);
                     super::strip_dedupe_headers(trailers);
                 }
                 Ok(frame)
@@ -253,7 +254,17 @@ impl Body for ResponseBody {
         let this = &mut *self;
         if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
             this.rearm = true;
-            let frame = frame.map(|frame| frame.map_err(ResponseBodyError::from));
+            let frame = frame.map(|frame| {
+                let mut frame = frame.map_err(ResponseBodyError::from)?;
+                // HTTP/2 refuses connection fields in trailers as in a head,
+                // and resets the sender's stream; `X-Dedupe-Outcome` is the
+                // proxy's to say.
+                if let Some(trailers) = frame.trailers_mut() {
+                    super::strip_hop_by_hop(trailers);
+                    super::strip_dedupe_headers(trailers);
+                }
+                Ok(frame)
+            });
             if let Some(Err(error)) = &frame {
                 this.warn_cut_off(error);
             }

@@ -514,19 +514,28 @@ fn check_config_connect_reports_a_missing_table_without_failing() {
 }
 
 /// Of several `migrate` runs at once on a new store, one creates the table
-/// and says so; the others find it made.
+/// and says so; the others find it made, whether they spell the table with
+/// its schema or without.
 #[tokio::test]
 async fn of_concurrent_migrations_only_the_one_that_created_the_table_says_so() {
     for backend in [Backend::Postgres, Backend::Sqlite] {
         let store = TestStore::new(backend).await;
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("config.yaml");
-        std::fs::write(&path, format!("store: {{ url: '{}' }}\n", store.url)).unwrap();
+        let table = match backend {
+            Backend::Postgres => ["processed_events", "public.processed_events"],
+            Backend::Sqlite => ["processed_events"; 2],
+        };
+        let paths = table.map(|table| {
+            let path = dir.path().join(format!("{table}.yaml"));
+            let config = format!("store: {{ url: '{}', table: {table} }}\n", store.url);
+            std::fs::write(&path, config).unwrap();
+            path
+        });
         let runs: Vec<_> = (0..4)
-            .map(|_| {
+            .map(|run| {
                 std::process::Command::new(BINARY)
                     .args(["migrate", "--config"])
-                    .arg(&path)
+                    .arg(&paths[run % 2])
                     .stderr(Stdio::piped())
                     .spawn()
                     .unwrap()
@@ -756,6 +765,13 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
             "no primary key or unique index on (source, event_id)",
         ),
         (
+            create(
+                "integer",
+                ", tenant text NOT NULL, PRIMARY KEY (source, event_id)",
+            ),
+            "column tenant is NOT NULL without a default, and claims do not write it",
+        ),
+        (
             create("integer", ", PRIMARY KEY (source, event_id)").replace(
                 "received_at timestamptz NOT NULL",
                 "received_at timestamptz",
@@ -774,13 +790,18 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
         crate::rows::batch(&store, &sql).await;
         every_command_refuses_the_claims_table(&config, why);
     }
-    // A unique index on the two columns, in either order, does as well; the
-    // index the pruner reads is added.
+    // A unique index on the two columns, in either order, does as well, and
+    // other columns a claim can leave out; the index the pruner reads is
+    // added.
     crate::rows::batch(
         &store,
         &format!(
             "DROP VIEW processed_events; {}",
-            create("integer", ", UNIQUE (event_id, source)")
+            create(
+                "integer",
+                ", note text, tenant text NOT NULL DEFAULT 'a', \
+                 serial_no integer GENERATED ALWAYS AS IDENTITY, UNIQUE (event_id, source)"
+            )
         ),
     )
     .await;
@@ -877,6 +898,31 @@ fn an_unopenable_sqlite_file_stops_start_up_with_exit_1_naming_it_once() {
     assert!(
         out.stderr
             .contains("/nonexistent-dir/keys.db: the directory /nonexistent-dir does not exist"),
+        "{}",
+        out.stderr
+    );
+}
+
+/// The store's commands name a relative SQLite path they cannot open by its
+/// full path: it is read from the working directory, easy to get wrong.
+#[test]
+fn a_relative_sqlite_path_in_a_missing_directory_is_named_in_full() {
+    let out = run(
+        &["keys", "list"],
+        Some(
+            "store: { url: 'sqlite://no-such-dir-7f3a/keys.db' }
+",
+        ),
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    let full = std::env::current_dir().unwrap().join("no-such-dir-7f3a");
+    assert!(
+        out.stderr.contains(&format!(
+            "cannot open {}/keys.db: the directory {} does not exist",
+            full.display(),
+            full.display()
+        )),
         "{}",
         out.stderr
     );

@@ -429,6 +429,75 @@ async fn an_http2_body_cut_off_by_a_reset_is_neither_claimed_nor_forwarded() {
     );
 }
 
+/// A sender that resets its HTTP/2 stream gives up its answer, not its
+/// request. An unmatched request the upstream already has is completed
+/// there, counted and logged, as an HTTP/1 one whose sender hangs up is. A
+/// webhook whose stream is reset as its body ends is not claimed, and is
+/// counted all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_requests_their_senders_reset_are_still_counted() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let gate = Gate::new();
+    app.upstream
+        .script("/elsewhere", [Behavior::Gate(Arc::clone(&gate))]);
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let (client, mut connection) = h2::client::handshake(tcp).await.unwrap();
+    let mut ping = connection.ping_pong().expect("one ping handle");
+    tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let unmatched = http::Request::post("http://localhost/elsewhere")
+        .body(())
+        .unwrap();
+    let (_, mut sent) = client.send_request(unmatched, false).unwrap();
+    sent.send_data(Bytes::from_static(b"{}"), true).unwrap();
+    app.upstream.wait_for(1).await;
+    sent.send_reset(h2::Reason::CANCEL);
+    // Answered once the proxy has read the reset.
+    ping.ping(h2::Ping::opaque()).await.unwrap();
+    gate.open();
+    app.wait_for_metric(r#"dedupe_requests_total{outcome="passthrough",route="unmatched"} 1"#)
+        .await;
+    app.wait_for_metric(r#"dedupe_upstream_responses_total{class="2xx",route="unmatched"} 1"#)
+        .await;
+
+    let deliveries = 10;
+    for n in 0..deliveries {
+        client = client.ready().await.unwrap();
+        let webhook = http::Request::post("http://localhost/hooks/orders")
+            .header("x-event-id", format!("evt_reset_{n}"))
+            .body(())
+            .unwrap();
+        let (_, mut sent) = client.send_request(webhook, false).unwrap();
+        sent.send_data(Bytes::from_static(b"{}"), true).unwrap();
+        sent.send_reset(h2::Reason::CANCEL);
+    }
+    let counted = |metrics: &str, outcome: &str| -> usize {
+        let line = format!(r#"dedupe_requests_total{{outcome="{outcome}",route="orders"}} "#);
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    let all_counted = async {
+        loop {
+            let metrics = app.admin_get("/metrics").await.body;
+            let (forwarded, reset) = (
+                counted(&metrics, "forwarded"),
+                counted(&metrics, "rejected_bad_request"),
+            );
+            if forwarded + reset == deliveries {
+                return forwarded;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let forwarded = tokio::time::timeout(Duration::from_secs(10), all_counted)
+        .await
+        .expect("every webhook counted once");
+    // The unmatched request, and the webhooks claimed before their reset.
+    assert_eq!(app.upstream.count(), 1 + forwarded);
+}
+
 /// An HTTP/2 connection with no open request for `limits.header_read_timeout`
 /// is closed, as an idle HTTP/1 connection is: one whose sender answers the
 /// GOAWAY's ping gracefully, one that sent the preface and then nothing at
@@ -795,6 +864,47 @@ async fn an_upstream_that_switches_protocols_is_a_failed_upstream() {
     // Settled `failed`: the retry goes to the upstream again.
     let retry = app.deliver("evt_switch", "{}").await;
     assert_eq!((retry.status, retry.outcome()), (502, "upstream-error"));
+}
+
+/// Connection fields are refused in HTTP/2 trailers as in a head: an
+/// upstream's trailers that carry them would reset the sender's stream after
+/// the whole body, and a webhook the upstream acted on would look failed to
+/// its sender. They are dropped, and so is a forged `X-Dedupe-Outcome`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_fields_in_an_upstreams_trailers_are_dropped() {
+    let upstream_addr = raw_upstream(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\
+          Trailer: X-Checksum, Keep-Alive, Connection, X-Dedupe-Outcome\r\n\r\n\
+          2\r\nhi\r\n0\r\nX-Checksum: abc\r\nKeep-Alive: timeout=1\r\n\
+          Connection: close\r\nX-Dedupe-Outcome: forged\r\n\r\n",
+    )
+    .await;
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.upstream.url = format!("http://{upstream_addr}");
+    })
+    .await;
+    let (client, _) = http2_client(&app, &h2::client::Builder::new()).await;
+    for (path, key) in [
+        ("/elsewhere", None),
+        ("/hooks/orders", Some("evt_trailers")),
+    ] {
+        let mut request = http::Request::get(format!("http://localhost{path}"));
+        if let Some(key) = key {
+            request = request.method("POST").header("x-event-id", key);
+        }
+        let response = send_whole(client.clone(), request.body(()).unwrap()).await;
+        let mut body = response.await.unwrap().into_body();
+        let data = body.data().await.unwrap().unwrap();
+        assert_eq!(&data[..], b"hi", "{path}");
+        let trailers = body
+            .trailers()
+            .await
+            .unwrap_or_else(|error| panic!("{path}: {error}"))
+            .expect("trailers passed on");
+        let mut names: Vec<_> = trailers.keys().map(http::HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["x-checksum"], "{path}");
+    }
 }
 
 /// An upstream that answers each request head it reads with `answer`, byte

@@ -492,7 +492,8 @@ async fn readyz_answers_503_while_another_process_holds_the_sqlite_write_lock() 
 /// A column's type changed under the running proxy (an ALTER TABLE, such as
 /// one mending a type `/readyz` named) does not leave the statements it had
 /// prepared failing: PostgreSQL refuses to run them with another result
-/// type, and they are prepared anew.
+/// type, and they are prepared anew. Once `/readyz` has found the table is
+/// not the claims table, webhooks are refused too, until it is mended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_column_type_changed_under_the_proxy_does_not_break_its_statements() {
     let store = Arc::new(TestStore::new(Backend::Postgres).await);
@@ -519,14 +520,16 @@ async fn a_column_type_changed_under_the_proxy_does_not_break_its_statements() {
         "{}",
         not_ready.body
     );
+    let refused = app.deliver("evt_3", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
     crate::rows::batch(
         &store,
         "ALTER TABLE processed_events ALTER COLUMN status TYPE text",
     )
     .await;
+    app.wait_ready().await;
     assert_eq!(app.deliver("evt_2", "{}").await.outcome(), "duplicate");
     assert_eq!(app.deliver("evt_3", "{}").await.outcome(), "forwarded");
-    app.wait_ready().await;
     // The attempt number is read as the integer it is meant to be, whatever
     // the column became: decoding another width would fail every claim.
     crate::rows::batch(

@@ -592,3 +592,28 @@ async fn a_refused_webhook_logs_the_reason_it_was_refused() {
     assert_eq!(answered["detail"], reason, "the response says the same");
     assert_eq!(upstream.count(), 0);
 }
+
+/// With `store.migrate: false` and no claims table, start-up says so, as the
+/// migration would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_table_is_logged_at_start_up_without_the_migration() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}', migrate: false }}\n",
+        upstream.url(),
+        store.url
+    );
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_for_log("the store cannot take claims yet").await;
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    let line = lines
+        .iter()
+        .find(|line| line.contains("the store cannot take claims yet"))
+        .unwrap();
+    assert!(
+        line.contains("the claims table is missing") && line.contains(r#""level":"WARN""#),
+        "{line}"
+    );
+}

@@ -342,3 +342,102 @@ async fn an_upstream_connection_closed_under_a_request_fails_it_and_the_retry_su
     assert_eq!(attempts, ["1", "2"], "{seen:?}");
     assert_eq!(app.deliver("evt_lost", "{}").await.outcome(), "duplicate");
 }
+
+/// A view, or a table a column was dropped from, takes the statement a
+/// claim runs, but not every settle: the migration and `/readyz` refuse it,
+/// and webhooks are refused too (503, nothing forwarded) until the table is
+/// mended, with no restart.
+#[tokio::test]
+async fn webhooks_are_refused_while_the_table_is_not_a_claims_table() {
+    let store = Arc::new(TestStore::new(Backend::Postgres).await);
+    let upstream = Upstream::start().await;
+    let mut app = TestApp::spawn_on(Arc::clone(&store), upstream.clone(), |_| {}).await;
+    app.shutdown().await;
+    crate::rows::batch(
+        &store,
+        "ALTER TABLE processed_events RENAME TO claims_kept;
+         CREATE VIEW processed_events AS SELECT * FROM claims_kept;",
+    )
+    .await;
+    let app = TestApp::start(Arc::clone(&store), upstream.clone(), |_| {}).await;
+    let refused = |readyz: &str| readyz.contains("it is a view");
+    while !refused(&app.admin_get("/readyz").await.body) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let answer = app.deliver("evt_view", "{}").await;
+    assert_eq!((answer.status, answer.outcome()), (503, "unavailable"));
+    crate::rows::batch(
+        &store,
+        "DROP VIEW processed_events; ALTER TABLE claims_kept RENAME TO processed_events;",
+    )
+    .await;
+    let answer = deliver_until_acknowledged(&app, "evt_view").await;
+    assert_eq!(answer.outcome(), "forwarded");
+
+    // Dropped while the proxy runs: seen by `/readyz`, then by claims.
+    crate::rows::batch(
+        &store,
+        "ALTER TABLE processed_events DROP COLUMN completed_at",
+    )
+    .await;
+    assert_eq!(app.admin_get("/readyz").await.status, 503);
+    let answer = app.deliver("evt_dropped", "{}").await;
+    assert_eq!((answer.status, answer.outcome()), (503, "unavailable"));
+    crate::rows::batch(
+        &store,
+        "ALTER TABLE processed_events ADD COLUMN completed_at timestamptz",
+    )
+    .await;
+    let answer = deliver_until_acknowledged(&app, "evt_dropped").await;
+    assert_eq!(answer.outcome(), "forwarded");
+    assert_eq!(upstream.count(), 2, "only the deliveries after each mend");
+}
+
+/// A full disk fails every claim that needs the file to grow, and `/readyz`
+/// says so too, where taking the write lock alone passed; both recover once
+/// there is room again, with no restart. Needs a file system of its own (a
+/// small tmpfs, which root may mount); elsewhere it says why it did not run.
+#[tokio::test]
+async fn a_full_disk_makes_the_store_unready_until_there_is_room() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().to_path_buf();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&mount)
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !mounted.is_ok_and(|status| status.success()) {
+        eprintln!("not run: this user cannot mount a tmpfs");
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _unmount = Unmount(mount.clone());
+    let database = mount.join("dedupe.db");
+    let app = TestApp::spawn(Backend::Sqlite, |config| {
+        config.store.url = format!("sqlite://{}", database.display());
+    })
+    .await;
+    assert_eq!(app.deliver("evt_room", "{}").await.outcome(), "forwarded");
+    let filler = mount.join("filler");
+    let mut fill = std::fs::File::create(&filler).unwrap();
+    while fill.write_all(&[0; 4096]).is_ok() {}
+    drop(fill);
+    let refused = app.deliver("evt_full", "{}").await;
+    assert_eq!((refused.status, refused.outcome()), (503, "unavailable"));
+    let readyz = app.admin_get("/readyz").await;
+    assert_eq!(readyz.status, 503, "{}", readyz.body);
+    assert!(readyz.body.contains("full"), "{}", readyz.body);
+    std::fs::remove_file(&filler).unwrap();
+    app.wait_ready().await;
+    assert_eq!(app.deliver("evt_full", "{}").await.outcome(), "forwarded");
+    assert_eq!(app.upstream.count(), 2);
+}

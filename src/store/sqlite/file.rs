@@ -7,12 +7,15 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags};
 
-/// Why the file at `path` could not be created, if it could not.
+/// Why the file at `path` could not be created, if it could not. Names the
+/// directory by its full path: a relative one is read from the working
+/// directory, which is easy to get wrong when running a command by hand.
 pub(super) fn creatable(path: &str) -> Result<(), String> {
     let dir = match Path::new(path).parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
     };
+    let dir = &std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
     match dir.try_exists() {
         Ok(true) if !dir.is_dir() => Err(format!("{} is not a directory", dir.display())),
         Ok(true) => can_create_in(dir).map_err(|error| format!("{error} (in {})", dir.display())),
@@ -115,7 +118,7 @@ pub(super) fn writable(connection: &Connection) -> Result<(), String> {
         })
 }
 
-const PERMISSIONS_HINT: &str =
+pub(super) const PERMISSIONS_HINT: &str =
     "check the permissions of the file, of its -wal and -shm files, and of its directory";
 
 #[cfg(test)]
