@@ -110,22 +110,27 @@ struct Held {
     body: Option<OwnedSemaphorePermit>,
 }
 
-/// Counts and logs a webhook whose HTTP/2 stream its sender reset once the
-/// body was read, before the claim: hyper drops the request's future then,
-/// and nothing else would.
+/// Counts and logs an HTTP/2 request whose sender reset its stream while
+/// the proxy waited: hyper drops the request's future then, and nothing
+/// else would. A webhook so reset once its body was read is not claimed; an
+/// unmatched request so reset before the upstream's answer is abandoned, its
+/// upstream connection closed, as a reverse proxy does when its sender
+/// leaves (its body may have ended early: hyper reads a stream reset with
+/// NO_ERROR as the body's end).
 struct RecordIfDropped<'a> {
     proxy: &'a Proxy,
     route: &'a str,
+    webhook: bool,
     started: Instant,
+    reason: &'static str,
 }
 
 impl Drop for RecordIfDropped<'_> {
     fn drop(&mut self) {
-        let answer = Answer::Rejected(Rejection::BadRequest(
-            "the sender reset the stream before the webhook was claimed".into(),
-        ));
+        let answer = Answer::Rejected(Rejection::BadRequest(self.reason.into()));
+        let trace = Trace::default();
         self.proxy
-            .record(true, self.route, &Trace::default(), &answer, self.started);
+            .record(self.webhook, self.route, &trace, &answer, self.started);
     }
 }
 
@@ -275,10 +280,16 @@ impl Proxy {
                     return respond(answer, false, version);
                 }
                 None if version == Version::HTTP_2 => {
-                    let answer = self
-                        .unmatched_detached(request, peer, started, permit, in_flight)
-                        .await;
-                    return respond(answer, false, version);
+                    let reset = RecordIfDropped {
+                        proxy: self,
+                        route: UNMATCHED_ROUTE,
+                        webhook: false,
+                        started,
+                        reason: "the sender reset the stream before the upstream answered; the exchange was abandoned",
+                    };
+                    let answer = Box::pin(self.unmatched(request, peer, started)).await;
+                    std::mem::forget(reset);
+                    answer
                 }
                 None => Box::pin(self.unmatched(request, peer, started)).await,
             },
@@ -304,38 +315,6 @@ impl Proxy {
             .with_label_values(&[route, answer.metric_outcome()])
             .inc();
         log_request(webhook, route, trace, answer, started);
-    }
-
-    /// An unmatched HTTP/2 request, run in a task of its own: hyper drops a
-    /// stream's future when its sender resets the stream, which would cut
-    /// off the upstream's exchange midway and leave the request uncounted
-    /// and unlogged. (An HTTP/1 request's future runs to its end when the
-    /// sender hangs up.)
-    async fn unmatched_detached(
-        self: &Arc<Self>,
-        request: Request<Incoming>,
-        peer: Peer,
-        started: Instant,
-        permit: OwnedSemaphorePermit,
-        in_flight: InFlight,
-    ) -> Answer {
-        let proxy = Arc::clone(self);
-        let exchange = Box::pin(async move {
-            let _held = (permit, in_flight);
-            let (answer, upstream_time) = proxy.unmatched(request, peer, started).await;
-            let trace = Trace {
-                upstream_time,
-                ..Trace::default()
-            };
-            proxy.record(false, UNMATCHED_ROUTE, &trace, &answer, started);
-            answer
-        });
-        self.webhooks.spawn(exchange).await.unwrap_or_else(|error| {
-            let failure = UpstreamError::Failed(format!("request task failed: {error}"));
-            let answer = Answer::UpstreamError(failure);
-            self.record(false, UNMATCHED_ROUTE, &Trace::default(), &answer, started);
-            answer
-        })
     }
 
     /// The answer, and how long the upstream took when it was asked.
@@ -405,7 +384,9 @@ impl Proxy {
             let reset = RecordIfDropped {
                 proxy: self,
                 route: &route.name,
+                webhook: true,
                 started,
+                reason: "the sender reset the stream before the webhook was claimed",
             };
             tokio::task::yield_now().await;
             std::mem::forget(reset);

@@ -67,13 +67,21 @@ const RECHECK_TABLE_AFTER: Duration = Duration::from_secs(1);
 
 impl TableVerdict {
     fn record(&self, result: &Result<Shape, StoreError>) {
-        let refusal = match result {
-            Ok(_) => None,
-            Err(error @ StoreError::NotClaimsTable { .. }) => Some(error.clone()),
-            // The table was not read, so nothing new is known of it.
-            Err(_) => return,
-        };
         let mut problem = self.problem.lock().unwrap_or_else(PoisonError::into_inner);
+        let refusal = match result {
+            // A missing table fails every claim on its own, saying so.
+            Ok(_) | Err(StoreError::MissingTable(_)) => None,
+            Err(error @ StoreError::NotClaimsTable { .. }) => Some(error.clone()),
+            // The table was not read, so nothing new is known of it; the
+            // next look waits its turn, or a store that is down would be
+            // asked again at every claim.
+            Err(_) => {
+                if let Some((_, read_at)) = problem.as_mut() {
+                    *read_at = Instant::now();
+                }
+                return;
+            }
+        };
         self.refused.store(refusal.is_some(), Ordering::Release);
         *problem = refusal.map(|error| (error, Instant::now()));
     }

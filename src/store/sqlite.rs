@@ -80,8 +80,7 @@ impl SqliteStore {
                 ))),
                 Err(reason) => Err(StoreError::Sqlite(format!(
                     "cannot open {}: {reason}",
-                    std::path::absolute(path)
-                        .map_or_else(|_| path.into(), |full| full.display().to_string())
+                    full_path(path)
                 ))),
             };
         }
@@ -94,7 +93,8 @@ impl SqliteStore {
         let connection =
             open_connection(Path::new(path), config.timeout, create).map_err(|error| {
                 StoreError::Sqlite(format!(
-                    "cannot open {path}: {}",
+                    "cannot open {}: {}",
+                    full_path(path),
                     open_failure(path, create, &error)
                 ))
             })?;
@@ -257,6 +257,12 @@ impl SqliteStore {
             problem,
         }
     }
+}
+
+/// `path` from the root: a relative one is read from the working directory,
+/// which is easy to get wrong when running a command by hand.
+fn full_path(path: &str) -> String {
+    std::path::absolute(path).map_or_else(|_| path.to_owned(), |full| full.display().to_string())
 }
 
 /// Why the file at `path` could not be opened (created if `create`).

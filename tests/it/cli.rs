@@ -765,13 +765,6 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
             "no primary key or unique index on (source, event_id)",
         ),
         (
-            create(
-                "integer",
-                ", tenant text NOT NULL, PRIMARY KEY (source, event_id)",
-            ),
-            "column tenant is NOT NULL without a default, and claims do not write it",
-        ),
-        (
             create("integer", ", PRIMARY KEY (source, event_id)").replace(
                 "received_at timestamptz NOT NULL",
                 "received_at timestamptz",
@@ -907,25 +900,21 @@ fn an_unopenable_sqlite_file_stops_start_up_with_exit_1_naming_it_once() {
 /// full path: it is read from the working directory, easy to get wrong.
 #[test]
 fn a_relative_sqlite_path_in_a_missing_directory_is_named_in_full() {
-    let out = run(
-        &["keys", "list"],
-        Some(
-            "store: { url: 'sqlite://no-such-dir-7f3a/keys.db' }
-",
-        ),
-        &[],
-    );
-    assert_eq!(out.code, 1, "{}", out.stderr);
     let full = std::env::current_dir().unwrap().join("no-such-dir-7f3a");
-    assert!(
-        out.stderr.contains(&format!(
-            "cannot open {}/keys.db: the directory {} does not exist",
-            full.display(),
-            full.display()
-        )),
-        "{}",
-        out.stderr
-    );
+    let config = "store: { url: 'sqlite://no-such-dir-7f3a/keys.db' }\nlisten: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n";
+    for command in [&["keys", "list"][..], &["run"]] {
+        let out = run(command, Some(config), &[]);
+        assert_eq!(out.code, 1, "{command:?}: {}", out.stderr);
+        assert!(
+            out.stderr.contains(&format!(
+                "cannot open {}/keys.db: the directory {} does not exist",
+                full.display(),
+                full.display()
+            )),
+            "{command:?}: {}",
+            out.stderr
+        );
+    }
 }
 
 /// SQLite says only "unable to open database file"; the proxy says why.

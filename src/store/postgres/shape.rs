@@ -30,11 +30,9 @@ const CLAIMS_COLUMNS: [(&str, &str, bool); 10] = [
 /// each column's type (NULL where there is none) and whether it is
 /// `NOT NULL`, in their order; whether a unique index on exactly
 /// `(source, event_id)` is in place; the relation's kind (a table, a view…);
-/// whether a B-tree index, which the pruner's range scan can use, leads
+/// and whether a B-tree index, which the pruner's range scan can use, leads
 /// with `received_at`, whatever its name (a table renamed away keeps its
-/// index's name); and the other columns a row cannot be inserted without
-/// (`NOT NULL`, with no default, not generated). A missing table fails the
-/// cast.
+/// index's name). A missing table fails the cast.
 const SHAPE: &str = "SELECT
        (SELECT array_agg(format_type(a.atttypid, a.atttypmod) ORDER BY c.ord)
           FROM unnest($2::text[]) WITH ORDINALITY AS c(name, ord)
@@ -59,11 +57,7 @@ const SHAPE: &str = "SELECT
                  JOIN pg_class ic ON ic.oid = i.indexrelid
                  JOIN pg_am am ON am.oid = ic.relam
                 WHERE i.indrelid = $1::regclass AND i.indisvalid AND i.indpred IS NULL
-                  AND am.amname = 'btree' AND a.attname = 'received_at'),
-       (SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_attribute a
-         WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped
-           AND a.attnotnull AND NOT a.atthasdef AND a.attidentity = ''
-           AND a.attgenerated = '' AND a.attname <> ALL ($2::text[]))";
+                  AND am.amname = 'btree' AND a.attname = 'received_at')";
 
 /// What the catalog says of the table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,8 +71,6 @@ pub(super) struct Shape {
     kind: String,
     /// An index leads with `received_at`.
     pub(super) indexed: bool,
-    /// Columns beside the claims table's that every insert must fill.
-    required_others: Vec<String>,
 }
 
 impl Shape {
@@ -110,10 +102,6 @@ impl Shape {
                 .map_err(postgres_error)?
                 .unwrap_or_default(),
             indexed: row.try_get(4).map_err(postgres_error)?,
-            required_others: row
-                .try_get::<_, Option<Vec<String>>>(5)
-                .map_err(postgres_error)?
-                .unwrap_or_default(),
         })
     }
 
@@ -150,9 +138,6 @@ impl Shape {
         if !self.keyed {
             problems.push("no primary key or unique index on (source, event_id)".into());
         }
-        problems.extend(self.required_others.iter().map(|name| {
-            format!("column {name} is NOT NULL without a default, and claims do not write it")
-        }));
         (!problems.is_empty()).then(|| problems.join("; "))
     }
 }
@@ -174,7 +159,6 @@ mod tests {
             keyed: true,
             kind: "r".into(),
             indexed: false,
-            required_others: Vec::new(),
         }
     }
 
@@ -187,15 +171,13 @@ mod tests {
         shape.not_null[6] = false;
         shape.not_null[4] = true;
         shape.keyed = false;
-        shape.required_others = vec!["tenant".into()];
         assert_eq!(
             shape.problem().as_deref(),
             Some(
                 "column attempts is bigint, not integer; \
                  column received_at may be NULL, where it must be NOT NULL; \
                  no column completed_at; \
-                 no primary key or unique index on (source, event_id); \
-                 column tenant is NOT NULL without a default, and claims do not write it"
+                 no primary key or unique index on (source, event_id)"
             )
         );
     }
