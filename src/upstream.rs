@@ -364,6 +364,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     remove_hop_by_hop(headers, present);
 }
 
+/// Removes from trailers, either way, what is removed from heads: the
+/// hop-by-hop fields and the proxy's own.
+fn strip_trailers(trailers: &mut HeaderMap) {
+    strip_hop_by_hop(trailers);
+    strip_dedupe_headers(trailers);
+}
+
 /// Removes every `X-Dedupe-*` field, so a sender cannot forge them, and
 /// every field that reads as one of the proxy's own once `_` is read as `-`.
 fn strip_dedupe_headers(headers: &mut HeaderMap) {

@@ -54,6 +54,7 @@ pub struct PostgresStore {
 /// written there could be forwarded and then never settled.
 #[derive(Default)]
 struct TableVerdict {
+    /// `problem.is_some()`, read without the lock by every claim.
     refused: AtomicBool,
     /// The problem, and when the table was last read.
     problem: Mutex<Option<(StoreError, Instant)>>,

@@ -20,7 +20,7 @@ use super::{
     PruneBatch, PruneGroup, Release, Settlement, StoreError, WonFrom,
 };
 use crate::config::StoreConfig;
-use file::{OpenedFile, creatable, open_connection, writable};
+use file::{OpenedFile, creatable, from_root, open_connection, writable};
 use sql::Statements;
 
 /// Work for the store's thread.
@@ -80,7 +80,7 @@ impl SqliteStore {
                 ))),
                 Err(reason) => Err(StoreError::Sqlite(format!(
                     "cannot open {}: {reason}",
-                    full_path(path)
+                    from_root(Path::new(path)).display()
                 ))),
             };
         }
@@ -94,7 +94,7 @@ impl SqliteStore {
             open_connection(Path::new(path), config.timeout, create).map_err(|error| {
                 StoreError::Sqlite(format!(
                     "cannot open {}: {}",
-                    full_path(path),
+                    from_root(Path::new(path)).display(),
                     open_failure(path, create, &error)
                 ))
             })?;
@@ -257,12 +257,6 @@ impl SqliteStore {
             problem,
         }
     }
-}
-
-/// `path` from the root: a relative one is read from the working directory,
-/// which is easy to get wrong when running a command by hand.
-fn full_path(path: &str) -> String {
-    std::path::absolute(path).map_or_else(|_| path.to_owned(), |full| full.display().to_string())
 }
 
 /// Why the file at `path` could not be opened (created if `create`).

@@ -145,8 +145,7 @@ impl Body for StreamedBody {
                 // An application that merges trailers into the head would
                 // otherwise take forged ones for the proxy's.
                 if let Some(trailers) = frame.trailers_mut() {
-                    super::strip_hop_by_hop(trailers);
-                    super::strip_dedupe_headers(trailers);
+                    super::strip_trailers(trailers);
                 }
                 Ok(frame)
             }));
@@ -260,8 +259,7 @@ impl Body for ResponseBody {
                 // and resets the sender's stream; `X-Dedupe-Outcome` is the
                 // proxy's to say.
                 if let Some(trailers) = frame.trailers_mut() {
-                    super::strip_hop_by_hop(trailers);
-                    super::strip_dedupe_headers(trailers);
+                    super::strip_trailers(trailers);
                 }
                 Ok(frame)
             });
@@ -339,9 +337,8 @@ mod tests {
     }
 
     /// A body still coming is waited for, and looked at again when it must
-    /// be over; one
-    /// that never is (an upstream that stopped taking it) gives the upstream
-    /// `timeout` from then.
+    /// be over; one that never is (an upstream that stopped taking it) gives
+    /// the upstream `timeout` from then.
     #[test]
     fn a_body_not_yet_over_puts_the_answer_off_to_its_own_deadline_then_a_timeout() {
         let (end, start) = body_due_in(60);

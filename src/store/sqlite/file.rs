@@ -15,13 +15,19 @@ pub(super) fn creatable(path: &str) -> Result<(), String> {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
     };
-    let dir = &std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let dir = &from_root(dir);
     match dir.try_exists() {
         Ok(true) if !dir.is_dir() => Err(format!("{} is not a directory", dir.display())),
         Ok(true) => can_create_in(dir).map_err(|error| format!("{error} (in {})", dir.display())),
         Ok(false) => Err(format!("the directory {} does not exist", dir.display())),
         Err(error) => Err(format!("{error} (in {})", dir.display())),
     }
+}
+
+/// `path` from the root: a relative one is read from the working directory,
+/// which is easy to get wrong when running a command by hand.
+pub(super) fn from_root(path: &Path) -> std::path::PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// Whether a file can be created in `dir`, found by creating one (and
