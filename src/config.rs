@@ -322,13 +322,7 @@ impl Config {
         store_url: Option<String>,
         secrets: Secrets,
     ) -> Result<Self, Problem> {
-        // An empty file is a valid all-defaults configuration.
-        let mut config: Config = if text.trim().is_empty() {
-            serde_yaml::from_str("{}")
-        } else {
-            serde_yaml::from_str(text)
-        }
-        .map_err(|error| Problem::Parse(parse_message(&error)))?;
+        let mut config = parse_document(text)?;
         let mut lines = locate::Lines::of(text);
         if let Some(url) = store_url {
             config.store.url = url;
@@ -393,6 +387,53 @@ impl Config {
             .collect();
         config.store.url = crate::store::StoreUrl::redact(&config.store.url);
         config
+    }
+}
+
+/// The document as a configuration. Read straight from the text, so that
+/// errors carry their line, unless the document is empty or null (all
+/// defaults) or shares fields through YAML merge keys (`<<: *anchor`),
+/// which serde_yaml applies only to a parsed value.
+fn parse_document(text: &str) -> Result<Config, Problem> {
+    let error = match serde_yaml::from_str::<Config>(text) {
+        Ok(config) => return Ok(config),
+        Err(error) => error,
+    };
+    let defaults = || serde_yaml::from_str("{}").map_err(|e| Problem::Parse(parse_message(&e)));
+    let mut merged = match serde_yaml::from_str::<serde_yaml::Value>(text) {
+        Ok(serde_yaml::Value::Null) => return defaults(),
+        // The first error, in the file's order, is the merge key's own
+        // unless the file has another mistake before it.
+        Ok(value) if has_merge_key(&value) && error.to_string().contains("`<<`") => value,
+        _ if text.trim().is_empty() => return defaults(),
+        _ => return Err(Problem::Parse(parse_message(&error))),
+    };
+    merged
+        .apply_merge()
+        .map_err(|error| Problem::Parse(parse_message(&error)))?;
+    // Read back from text, so that an error names the field's path; its
+    // line would be that of the merged text, so it is left out.
+    let merged = serde_yaml::to_string(&merged).expect("a parsed value prints");
+    serde_yaml::from_str(&merged).map_err(|error| {
+        let mut message = parse_message(&error);
+        if let Some(at) = error.location() {
+            let suffix = format!(" at line {} column {}", at.line(), at.column());
+            if let Some(start) = message.rfind(&suffix) {
+                message.replace_range(start..start + suffix.len(), "");
+            }
+        }
+        Problem::Parse(format!("{message} (with merge keys applied)"))
+    })
+}
+
+fn has_merge_key(value: &serde_yaml::Value) -> bool {
+    match value {
+        serde_yaml::Value::Mapping(mapping) => mapping
+            .iter()
+            .any(|(key, value)| key.as_str() == Some("<<") || has_merge_key(value)),
+        serde_yaml::Value::Sequence(items) => items.iter().any(has_merge_key),
+        serde_yaml::Value::Tagged(tagged) => has_merge_key(&tagged.value),
+        _ => false,
     }
 }
 
@@ -739,6 +780,54 @@ mod tests {
             assert_eq!(config.limits.max_body_bytes, 1_048_576);
             assert_eq!(config.upstream.url, "http://127.0.0.1:3000");
         }
+    }
+
+    #[test]
+    fn a_null_or_comment_only_file_means_the_defaults() {
+        for text in ["~", "null", "# nothing set yet", "---", ""] {
+            let config = parse(text).unwrap_or_else(|p| panic!("{text:?}: {p:?}"));
+            assert_eq!(config.store.url, "sqlite://dedupe.db", "{text:?}");
+        }
+    }
+
+    #[test]
+    fn routes_may_share_fields_through_merge_keys() {
+        let config = parse(
+            "routes:
+               - &orders { name: a, path: /a, key: { header: X-Id }, retention: 3d }
+               - <<: *orders
+                 name: b
+                 path: /b",
+        )
+        .unwrap();
+        let second = config.effective_route(&config.routes[1]);
+        assert_eq!(
+            (second.name.as_str(), second.path.as_deref()),
+            ("b", Some("/b"))
+        );
+        assert_eq!(second.retention, Some(Duration::from_secs(3 * 86400)));
+        assert_eq!(
+            second.key.and_then(|key| key.header).as_deref(),
+            Some("X-Id")
+        );
+
+        let merged_mistake = parse_error(
+            "routes:\n  - &a { name: a, path: /a, key: { header: X } }\n  - <<: *a\n    name: b\n    bogus: 1",
+        );
+        assert!(
+            merged_mistake.starts_with("routes[1]: unknown field `bogus`")
+                && merged_mistake.ends_with("(with merge keys applied)")
+                && !merged_mistake.contains("line"),
+            "{merged_mistake}"
+        );
+        // A mistake before any merge key keeps its line.
+        let earlier_mistake =
+            parse_error("stray: 1\nroutes:\n  - &a { name: a, path: /a }\n  - <<: *a\n    name: b");
+        assert!(
+            earlier_mistake.starts_with("unknown field `stray`")
+                && earlier_mistake.contains("at line 1"),
+            "{earlier_mistake}"
+        );
     }
 
     #[test]

@@ -128,7 +128,7 @@ impl Provider {
         let horizon = retry_horizon(self);
         (retention < horizon).then(|| {
             format!(
-                "retention {} is shorter than {}'s retry horizon of {}: a retry arriving later would be processed again",
+                "retention {} is shorter than the retry horizon of provider {} ({}): a retry arriving later would be processed again",
                 crate::config::format_duration(retention),
                 self.name(),
                 crate::config::format_duration(horizon),

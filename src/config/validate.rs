@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::{Config, RouteConfig, Secrets, StatusMatch, UNMATCHED_ROUTE, Unmatched, duration};
+use crate::provider::Provider;
 use crate::secret::SecretRef;
 
 impl Config {
@@ -421,6 +422,18 @@ impl Config {
                 warnings.push(format!(
                     "{at}: provider {provider} without secrets: signatures are NOT verified"
                 ));
+            }
+            if provider == Provider::Stripe {
+                for (index, secret) in route.secrets.iter().enumerate() {
+                    // An unresolvable secret is an error reported elsewhere.
+                    if let Ok(secret) = secret.resolve()
+                        && !secret.expose().starts_with(b"whsec_")
+                    {
+                        warnings.push(format!(
+                            "{at}.secrets[{index}]: does not start with `whsec_`: Stripe signs with the endpoint's signing secret (whsec_...), so with this one every delivery would be answered 401"
+                        ));
+                    }
+                }
             }
             let retention = self.effective_route(route).retention.unwrap_or_default();
             if let Some(warning) = provider.retention_warning(retention) {
@@ -1168,10 +1181,21 @@ mod tests {
                - { name: untimed, path: /d, provider: github, secrets: [{ env: HOME }], tolerance: 1m }
                - { name: plain, path: /e, key: { header: X-Id }, tolerance: 1m }
                - { name: timed, path: /f, provider: slack, secrets: [{ env: HOME }], tolerance: 1m }
-               - { name: printed, path: /g, key: { header: X-Id }, tolerance: 5m }",
+               - { name: printed, path: /g, key: { header: X-Id }, tolerance: 5m }
+               - { name: keyed, path: /h, provider: stripe, secrets: [{ value: whsec_x }, { value: sk_live_x }] }",
         )
         .unwrap();
         let warnings = config.warnings();
+        let not_signing: Vec<_> = warnings
+            .iter()
+            .filter(|w| w.contains("does not start with `whsec_`"))
+            .collect();
+        assert!(
+            not_signing.len() == 2
+                && not_signing[0].starts_with("routes[2] (short).secrets[0] (line 4):")
+                && not_signing[1].starts_with("routes[7] (keyed).secrets[1] (line 9):"),
+            "{warnings:?}"
+        );
         assert!(
             warnings
                 .iter()
