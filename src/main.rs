@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use dedupe_proxy::cli::{Cli, Command, keys};
+use dedupe_proxy::cli::{self, Cli, Command, keys};
 use dedupe_proxy::config::Secrets;
 use dedupe_proxy::store::{Migration, Store, StoreError, StoreUrl};
 use dedupe_proxy::{Application, Config, telemetry};
@@ -85,7 +85,7 @@ async fn run(config: &Config) -> anyhow::Result<()> {
 }
 
 async fn check_config(config: &Config, connect: bool) -> anyhow::Result<()> {
-    dedupe_proxy::cli::print(&serde_yaml::to_string(&config.effective())?)?;
+    cli::print(&serde_yaml::to_string(&config.effective())?)?;
     // Warnings went to stderr, which keeps stdout parseable YAML.
     if connect {
         // A check leaves no empty SQLite file behind (at a mistyped path,
@@ -116,14 +116,14 @@ async fn migrate(config: &Config) -> anyhow::Result<()> {
     let store = Store::open(&config.store)?;
     // As the statements name it: `store.table` is case-insensitive.
     let table = config.store.table.to_ascii_lowercase();
-    match store.migrate().await? {
-        Migration::CreatedTable => eprintln!("store: created the claims table `{table}`"),
+    // The result on stdout, as the other commands print theirs.
+    cli::print(&match store.migrate().await? {
+        Migration::CreatedTable => format!("store: created the claims table `{table}`\n"),
         Migration::CreatedIndex => {
-            eprintln!("store: created the received_at index of the claims table `{table}`");
+            format!("store: created the received_at index of the claims table `{table}`\n")
         }
-        Migration::UpToDate => eprintln!("store: schema is up to date"),
-    }
-    Ok(())
+        Migration::UpToDate => "store: schema is up to date\n".to_owned(),
+    })
 }
 
 /// SIGTERM and SIGINT, listened for from the moment this is made.

@@ -35,6 +35,11 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
             let more = records.len() > limit as usize;
             records.truncate(limit as usize);
             super::print(&render_list(&records, json))?;
+            // On stderr, like the note below: a script reading the table
+            // must not take it for a row.
+            if records.is_empty() && !json {
+                eprintln!("no keys");
+            }
             if more {
                 // On stderr, which leaves stdout a table or a JSON array.
                 eprintln!("more keys match: these are the newest {limit}; --limit shows more");
@@ -188,7 +193,7 @@ fn render_list(records: &[KeyRecord], json: bool) -> String {
         return to_json(&records);
     }
     if records.is_empty() {
-        return "no keys\n".into();
+        return String::new();
     }
     let header = [
         "SOURCE",
@@ -403,8 +408,8 @@ mod tests {
     }
 
     #[test]
-    fn an_empty_list_says_so_or_is_an_empty_array() {
-        assert_eq!(render_list(&[], false), "no keys\n");
+    fn an_empty_list_is_nothing_or_an_empty_array() {
+        assert_eq!(render_list(&[], false), "");
         assert_eq!(render_list(&[], true), "[]\n");
     }
 }

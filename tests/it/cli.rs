@@ -536,6 +536,7 @@ async fn of_concurrent_migrations_only_the_one_that_created_the_table_says_so() 
                 std::process::Command::new(BINARY)
                     .args(["migrate", "--config"])
                     .arg(&paths[run % 2])
+                    .stdout(Stdio::piped())
                     .stderr(Stdio::piped())
                     .spawn()
                     .unwrap()
@@ -546,17 +547,17 @@ async fn of_concurrent_migrations_only_the_one_that_created_the_table_says_so() 
             .map(|run| {
                 let out = run.wait_with_output().unwrap();
                 assert!(out.status.success(), "{backend:?}: {out:?}");
-                String::from_utf8_lossy(&out.stderr).into_owned()
+                String::from_utf8_lossy(&out.stdout).into_owned()
             })
             .collect();
         let created = said
             .iter()
-            .filter(|stderr| stderr.contains("created the claims table"))
+            .filter(|stdout| stdout.contains("created the claims table"))
             .count();
         assert_eq!(created, 1, "{backend:?}: {said:?}");
         assert_eq!(
             said.iter()
-                .filter(|stderr| stderr.contains("schema is up to date"))
+                .filter(|stdout| stdout.contains("schema is up to date"))
                 .count(),
             3,
             "{backend:?}: {said:?}"
@@ -610,9 +611,9 @@ async fn migrate_creates_the_schema() {
         .get(0);
     assert_eq!(index, 1);
     assert!(
-        out.stderr.contains("created the claims table `my_events`"),
+        out.stdout.contains("created the claims table `my_events`"),
         "{}",
-        out.stderr
+        out.stdout
     );
     let again = run(
         &["migrate"],
@@ -623,10 +624,9 @@ async fn migrate_creates_the_schema() {
         &[],
     );
     assert_eq!(again.code, 0, "{}", again.stderr);
-    assert!(
-        again.stderr.contains("schema is up to date"),
-        "{}",
-        again.stderr
+    assert_eq!(
+        (again.stdout.as_str(), again.stderr.as_str()),
+        ("store: schema is up to date\n", "")
     );
 }
 
@@ -801,10 +801,10 @@ async fn a_claims_table_of_other_types_or_without_its_key_is_refused_naming_why(
     let out = run(&["migrate"], Some(&config), &[]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
-        out.stderr
+        out.stdout
             .contains("created the received_at index of the claims table `processed_events`"),
         "{}",
-        out.stderr
+        out.stdout
     );
 }
 

@@ -216,7 +216,10 @@ async fn keys_list_prints_a_table_newest_first_and_filters_it(backend: Backend) 
         ],
         &config,
     );
-    assert_eq!((none.code, none.stdout.as_str()), (0, "no keys\n"));
+    assert_eq!(
+        (none.code, none.stdout.as_str(), none.stderr.as_str()),
+        (0, "", "no keys\n")
+    );
 }
 
 async fn keys_list_and_show_print_json_with_rfc3339_times_and_a_hex_hash(backend: Backend) {
