@@ -378,8 +378,15 @@ async fn check_table_at_start(store: Store) {
     }
 }
 
+/// The longest wait between two start-up migration attempts: the proxy is
+/// unready until one succeeds, so a store that comes back is noticed soon.
+const MIGRATION_RETRY_CAP: Duration = Duration::from_secs(2);
+/// How often the same migration failure is repeated at `warn`.
+const MIGRATION_WARNING_INTERVAL: Duration = Duration::from_secs(30);
+
 async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: CancellationToken) {
     let mut delay = Duration::from_millis(200);
+    let mut warned: Option<(String, Instant)> = None;
     loop {
         match store.migrate().await {
             Ok(_) => {
@@ -388,21 +395,59 @@ async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: Cancellatio
                 return;
             }
             Err(error) => {
-                tracing::warn!(%error, retry_in = ?delay, "store migration failed; retrying");
-                schema.set_failure(error.to_string());
+                let error = error.to_string();
+                if repeats_recent_warning(warned.as_ref(), &error, Instant::now()) {
+                    tracing::debug!(%error, retry_in = ?delay, "store migration failed; retrying");
+                } else {
+                    tracing::warn!(%error, retry_in = ?delay, "store migration failed; retrying");
+                    warned = Some((error.clone(), Instant::now()));
+                }
+                schema.set_failure(error);
             }
         }
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(delay) => {}
         }
-        delay = (delay * 2).min(Duration::from_secs(10));
+        delay = (delay * 2).min(MIGRATION_RETRY_CAP);
     }
+}
+
+/// Whether `error` was last warned about less than
+/// [`MIGRATION_WARNING_INTERVAL`] before `now`.
+fn repeats_recent_warning(warned: Option<&(String, Instant)>, error: &str, now: Instant) -> bool {
+    warned.is_some_and(|(said, at)| {
+        said == error && now.saturating_duration_since(*at) < MIGRATION_WARNING_INTERVAL
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lasting_migration_failure_is_warned_about_when_it_changes_or_now_and_then() {
+        let start = Instant::now();
+        let warned = ("connection refused".to_owned(), start);
+        assert!(!repeats_recent_warning(None, "connection refused", start));
+        let soon = start + MIGRATION_RETRY_CAP;
+        assert!(repeats_recent_warning(
+            Some(&warned),
+            "connection refused",
+            soon
+        ));
+        assert!(!repeats_recent_warning(
+            Some(&warned),
+            "password authentication failed",
+            soon
+        ));
+        let later = start + MIGRATION_WARNING_INTERVAL;
+        assert!(!repeats_recent_warning(
+            Some(&warned),
+            "connection refused",
+            later
+        ));
+    }
 
     #[test]
     fn accepting_pauses_after_running_out_of_descriptors_but_not_after_a_reset() {
