@@ -441,7 +441,9 @@ fn has_merge_key(value: &serde_yaml::Value) -> bool {
 fn parse_message(error: &serde_yaml::Error) -> String {
     let mut message = error.to_string();
     for (rust, plain) in [
-        ("usize", "a whole number, 0 or more"),
+        // Every `usize` field is a count or size that validate.rs refuses
+        // at 0 too.
+        ("usize", "a whole number, 1 or more"),
         ("u64", "a whole number, 0 or more"),
         ("u32", "a whole number from 0 to 4294967295"),
         ("u16", "a whole number from 0 to 65535"),
@@ -645,8 +647,15 @@ mod tests {
         );
         let number = parse_error("limits: { max_body_bytes: lots }");
         assert!(
-            number.contains("expected a whole number, 0 or more at line 1"),
+            number.contains("expected a whole number, 1 or more at line 1"),
             "{number}"
+        );
+        let pool = parse_error("store: { pool_size: -1 }");
+        assert!(
+            pool.starts_with(
+                "store.pool_size: invalid type: integer `-1`, expected a whole number, 1 or more"
+            ),
+            "{pool}"
         );
         let status = parse_error("defaults: { duplicate_status: 70000 }");
         assert!(
