@@ -18,14 +18,8 @@ use crate::telemetry::LogFormat;
 #[derive(Debug, Parser)]
 #[command(name = "dedupe-proxy", version, about)]
 pub struct Cli {
-    /// The configuration file.
-    #[arg(
-        long,
-        short = 'c',
-        global = true,
-        env = "DEDUPE_CONFIG",
-        value_name = "FILE"
-    )]
+    /// The configuration file [env: DEDUPE_CONFIG]
+    #[arg(long, short = 'c', global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Log line format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
@@ -34,6 +28,22 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
 }
+
+impl Cli {
+    /// `--config`, or else `DEDUPE_CONFIG` unless it is empty: a
+    /// deployment that sets it from an unset variable means no file, as
+    /// with `DEDUPE_STORE_URL`.
+    pub fn config_path(&self) -> Option<PathBuf> {
+        self.config.clone().or_else(|| {
+            std::env::var_os(CONFIG_ENV)
+                .filter(|path| !path.is_empty())
+                .map(PathBuf::from)
+        })
+    }
+}
+
+/// The environment variable naming the configuration file.
+pub const CONFIG_ENV: &str = "DEDUPE_CONFIG";
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]

@@ -22,7 +22,7 @@ const CONFIG_ERROR: u8 = 2;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let Some(path) = cli.config.as_deref() else {
+    let Some(path) = cli.config_path() else {
         telemetry::fatal(
             cli.log_format,
             None,
@@ -35,7 +35,7 @@ async fn main() -> ExitCode {
         Command::Run | Command::CheckConfig { .. } => Secrets::Resolve,
         Command::Migrate | Command::Keys { .. } | Command::Prune { .. } => Secrets::Ignore,
     };
-    let config = match Config::load(path, secrets) {
+    let config = match Config::load(&path, secrets) {
         Ok(config) => config,
         Err(error) => {
             telemetry::fatal(cli.log_format, None, &error.to_string());

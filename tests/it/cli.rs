@@ -429,6 +429,21 @@ fn config_may_come_from_the_environment_and_follow_the_subcommand() {
     );
     let before = run(&["--config", path, "check-config"], None, &[]);
     assert_eq!(before.code, 0, "{}", before.stderr);
+    // Set from an unset variable, it means no file.
+    let empty = run(&["check-config"], None, &[("DEDUPE_CONFIG", "")]);
+    assert_eq!(
+        (empty.code, empty.stderr.as_str()),
+        (
+            2,
+            "error: no configuration: pass --config FILE or set DEDUPE_CONFIG\n"
+        )
+    );
+    let given = run(
+        &["check-config", "--config", path],
+        None,
+        &[("DEDUPE_CONFIG", "")],
+    );
+    assert_eq!(given.code, 0, "{}", given.stderr);
     // A bad overriding URL is not placed on the file's line: it is said to
     // come from the environment.
     let bad = run(
