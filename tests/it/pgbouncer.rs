@@ -65,6 +65,11 @@ impl Bouncer {
     /// Starts PgBouncer in transaction mode for `store`'s server, with
     /// protocol-level prepared statement support when the version has it.
     async fn start(store: &TestStore) -> Self {
+        Self::start_with(store, "pool_mode = transaction\n").await
+    }
+
+    /// Starts PgBouncer with `settings` added to its `[pgbouncer]` section.
+    async fn start_with(store: &TestStore, settings: &str) -> Self {
         let (major, minor) = pgbouncer_version();
         let dir = tempfile::tempdir().unwrap();
         let port = {
@@ -95,7 +100,7 @@ impl Bouncer {
             format!(
                 "[databases]\n* = host={} port={}\n\n[pgbouncer]\n\
                  listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
-                 auth_type = trust\nauth_file = {}\npool_mode = transaction\n\
+                 auth_type = trust\nauth_file = {}\n{settings}\
                  default_pool_size = 4\nmax_client_conn = 200\n\
                  ignore_startup_parameters = extra_float_digits,options\n{prepared}",
                 server.ip(),
@@ -352,4 +357,60 @@ async fn through_pgbouncer_in_transaction_mode_without_named_statements() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_pgbouncer_in_transaction_mode_with_named_statements() {
     scenario(true).await;
+}
+
+/// PgBouncer answers a statement past its `query_timeout` with its own
+/// 08P01 error and closes the connection; the code is also one of those a
+/// lost named statement gives, but this says nothing about named
+/// statements, which a session-mode pooler keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poolers_own_fatal_error_keeps_named_statements() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let bouncer = Bouncer::start_with(&store, "pool_mode = session\nquery_timeout = 1\n").await;
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+upstream: {{ url: '{}', timeout: 5s }}
+store: {{ url: '{}', lease: 20s, timeout: 10s, pool_size: 2 }}
+routes:
+  - {{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}
+",
+        upstream.url(),
+        store.url_via(bouncer.addr)
+    );
+    let mut proxy = ProxyProcess::start(&config).await;
+    proxy.wait_ready().await;
+    assert_eq!(deliver(&proxy, "evt_before").await.outcome(), "forwarded");
+
+    // A transaction inserting the key holds the proxy's claim of it past
+    // PgBouncer's query_timeout.
+    let mut holder = store.postgres().await;
+    let holding = holder.transaction().await.unwrap();
+    holding
+        .execute(
+            "INSERT INTO processed_events (source, event_id, status) VALUES ('orders', 'evt_held', 'processing')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let held = deliver(&proxy, "evt_held").await;
+    assert_eq!(held.status, 503, "{held:?}");
+    holding.rollback().await.unwrap();
+    assert!(
+        bouncer.log_text().contains("query timeout")
+            || bouncer.log_text().contains("query_timeout"),
+        "PgBouncer never timed the statement out: {}",
+        bouncer.log_text()
+    );
+
+    assert_eq!(deliver(&proxy, "evt_after").await.outcome(), "forwarded");
+    proxy.terminate();
+    let lines = proxy.all_log_lines().await;
+    assert!(
+        !lines
+            .iter()
+            .any(|line| line.contains("named prepared statements do not survive")),
+        "{lines:#?}"
+    );
 }

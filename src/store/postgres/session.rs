@@ -155,7 +155,16 @@ impl Session {
                 client.query(&statement, &values(params)).await
             };
             match named.await {
-                Err(error) if lost_named_statement(&error) => self.lose_named_statements(&error),
+                // Given up on only once the statement has run unnamed on the
+                // same connection: a pooler's own fatal errors share one of
+                // these codes (PgBouncer's `query_timeout` or `server conn
+                // crashed?`, 08P01) and close the connection, which says
+                // nothing about named statements.
+                Err(error) if lost_named_statement(&error) => {
+                    let rows = client.query_typed(sql, params).await?;
+                    self.lose_named_statements(&error);
+                    return Ok(rows);
+                }
                 // A column's type changed under the statement (ALTER TABLE),
                 // and PostgreSQL will not plan it again with another result
                 // type: it is prepared anew next time, and runs unnamed now.
@@ -192,7 +201,9 @@ impl Session {
 /// and its guard refuses them when they do (division by zero; see
 /// `sql::Statements`). Either way nothing ran, and the statement is safely
 /// run again unnamed. Our own statements, given the parameters they were
-/// prepared for, raise none of these.
+/// prepared for, raise none of these. A pooler's fatal errors may share a
+/// code (08P01) and follow a statement that ran, but they close the
+/// connection, so the statement cannot run again on it.
 pub(super) fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
     [
         SqlState::INVALID_SQL_STATEMENT_NAME,
