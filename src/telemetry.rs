@@ -164,10 +164,19 @@ pub fn log_filter(directives: &str) -> Result<EnvFilter, String> {
     }
     // `EnvFilter` refuses a directive with a space around it, as in
     // `info, hyper=warn`, which reads as intended.
-    let trimmed: Vec<&str> = directives.split(',').map(str::trim).collect();
+    let mut trimmed: Vec<&str> = directives.split(',').map(str::trim).collect();
+    // The pool's only lines say that a connection which failed could not be
+    // reused, after the store's own warning about the same connection has
+    // said why and where; a filter naming the pool still has them.
+    if !directives.contains("deadpool") {
+        trimmed.push(QUIET_POOL);
+    }
     EnvFilter::try_new(trimmed.join(","))
         .map_err(|error| format!("`{directives}` is not a log filter: {error}"))
 }
+
+/// Keeps the PostgreSQL pool's own lines out unless a filter names it.
+const QUIET_POOL: &str = "deadpool.postgres=off";
 
 fn is_level(word: &str) -> bool {
     ["trace", "debug", "info", "warn", "error", "off"]
@@ -299,6 +308,20 @@ mod tests {
             let error = log_filter(refused).expect_err(refused);
             assert!(error.contains(naming), "{refused}: {error}");
         }
+    }
+
+    #[test]
+    fn the_pools_repetitions_are_filtered_out_unless_named() {
+        let filter = |directives: &str| log_filter(directives).unwrap().to_string();
+        for quiet in ["info", "debug", "warn,hyper=debug", "trace"] {
+            assert!(
+                filter(quiet).contains(QUIET_POOL),
+                "{quiet}: {}",
+                filter(quiet)
+            );
+        }
+        let named = filter("info,deadpool=debug");
+        assert!(!named.contains("=off"), "{named}");
     }
 
     /// Records each write it is given, so a test can see how lines were
