@@ -515,7 +515,7 @@ impl BatchRunner {
     ) -> Vec<Result<bool, StoreError>> {
         let Some(connection) = self.session.spare_client().await else {
             let error = StoreError::Unreachable(
-                "no connection free for a settle while every settle statement waits on a row another transaction holds".into(),
+                "no connection free for a settle while every settle statement waits on a lock another transaction holds (on a row, or the whole table)".into(),
             );
             return vec![Err(error); requests.len()];
         };
