@@ -9,6 +9,7 @@ use clap::Parser;
 use dedupe_proxy::cli::{self, Cli, Command, keys};
 use dedupe_proxy::config::Secrets;
 use dedupe_proxy::store::{Migration, Store, StoreError, StoreUrl};
+use dedupe_proxy::telemetry::Unfiltered;
 use dedupe_proxy::{Application, Config, telemetry};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
@@ -51,7 +52,8 @@ async fn main() -> ExitCode {
     for warning in warnings {
         // check-config exists to show them: a quiet log filter must not.
         if matches!(command, Command::CheckConfig { .. }) {
-            eprintln!("warning: {warning}");
+            let line = telemetry::unfiltered_line(cli.log_format, Unfiltered::Warning, &warning);
+            eprintln!("{line}");
         } else {
             tracing::warn!("{warning}");
         }

@@ -77,19 +77,37 @@ pub fn init(format: LogFormat, log_level: &str) -> WorkerGuard {
 /// one line a log pipeline cannot parse.
 pub fn fatal(format: LogFormat, queued: Option<WorkerGuard>, message: &str) {
     drop(queued);
+    eprintln!("{}", unfiltered_line(format, Unfiltered::Error, message));
+}
+
+/// What a line written past the log filter says it is.
+#[derive(Debug, Clone, Copy)]
+pub enum Unfiltered {
+    Warning,
+    Error,
+}
+
+/// A line for stderr in `format`, whatever the log filter lets through:
+/// for what a command exists to say (a fatal error, `check-config`'s
+/// warnings), which a quiet `log_level` must not hide.
+pub fn unfiltered_line(format: LogFormat, kind: Unfiltered, message: &str) -> String {
+    let (word, level) = match kind {
+        Unfiltered::Warning => ("warning", "WARN"),
+        Unfiltered::Error => ("error", "ERROR"),
+    };
     match format {
-        LogFormat::Text => eprintln!("error: {message}"),
+        LogFormat::Text => format!("{word}: {message}"),
         // Written field by field, in the order of every other line's (a
         // `serde_json` map would sort them).
         LogFormat::Json => {
             let text = |value: &str| serde_json::Value::from(value).to_string();
             let now = humantime::format_rfc3339_micros(SystemTime::now()).to_string();
-            eprintln!(
-                r#"{{"timestamp":{},"level":"ERROR","message":{},"target":{}}}"#,
+            format!(
+                r#"{{"timestamp":{},"level":"{level}","message":{},"target":{}}}"#,
                 text(&now),
                 text(message),
                 text(env!("CARGO_CRATE_NAME")),
-            );
+            )
         }
     }
 }

@@ -357,6 +357,23 @@ fn check_config_prints_warnings_whatever_the_log_level() {
         out.stderr
     );
     assert!(!out.stdout.contains("warning"), "stdout stays YAML");
+    // In the JSON format, as every other line on stderr is.
+    let json = run(
+        &["check-config", "--log-format", "json"],
+        Some(config),
+        &[("RUST_LOG", "off")],
+    );
+    assert_eq!(json.code, 0, "{}", json.stderr);
+    let line: serde_json::Value = serde_json::from_str(json.stderr.trim())
+        .unwrap_or_else(|e| panic!("not one JSON object ({e}): {}", json.stderr));
+    assert_eq!(line["level"], "WARN", "{line}");
+    assert!(
+        line["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("routes[0] (gh) (line 2): provider github without secrets"),
+        "{line}"
+    );
 }
 
 #[test]
