@@ -413,4 +413,12 @@ routes:
             .any(|line| line.contains("named prepared statements do not survive")),
         "{lines:#?}"
     );
+    // The claim's failure carries PgBouncer's reason, not only the closed
+    // connection that followed it.
+    assert!(
+        lines
+            .iter()
+            .any(|line| line.contains("evt_held") && line.contains("query timeout")),
+        "{lines:#?}"
+    );
 }

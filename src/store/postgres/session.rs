@@ -161,9 +161,16 @@ impl Session {
                 // crashed?`, 08P01) and close the connection, which says
                 // nothing about named statements.
                 Err(error) if lost_named_statement(&error) => {
-                    let rows = client.query_typed(sql, params).await?;
-                    self.lose_named_statements(&error);
-                    return Ok(rows);
+                    return match client.query_typed(sql, params).await {
+                        Ok(rows) => {
+                            self.lose_named_statements(&error);
+                            Ok(rows)
+                        }
+                        // The pooler's error says why the connection ended
+                        // (`query_timeout`); the rerun's says only that it did.
+                        Err(rerun) if rerun.is_closed() => Err(error),
+                        Err(rerun) => Err(rerun),
+                    };
                 }
                 // A column's type changed under the statement (ALTER TABLE),
                 // and PostgreSQL will not plan it again with another result
