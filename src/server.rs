@@ -3,6 +3,7 @@
 //! background pruner, serves connections, and drains them on shutdown within
 //! the grace period before settling the claims still open.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -386,7 +387,8 @@ const MIGRATION_WARNING_INTERVAL: Duration = Duration::from_secs(30);
 
 async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: CancellationToken) {
     let mut delay = Duration::from_millis(200);
-    let mut warned: Option<(String, Instant)> = None;
+    // Each error's last warning: several hosts may fail in turns.
+    let mut warned: HashMap<String, Instant> = HashMap::new();
     loop {
         match store.migrate().await {
             Ok(_) => {
@@ -396,11 +398,13 @@ async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: Cancellatio
             }
             Err(error) => {
                 let error = error.to_string();
-                if repeats_recent_warning(warned.as_ref(), &error, Instant::now()) {
+                let now = Instant::now();
+                if repeats_recent_warning(&warned, &error, now) {
                     tracing::debug!(%error, retry_in = ?delay, "store migration failed; retrying");
                 } else {
                     tracing::warn!(%error, retry_in = ?delay, "store migration failed; retrying");
-                    warned = Some((error.clone(), Instant::now()));
+                    warned.retain(|_, at| repeats_within_interval(*at, now));
+                    warned.insert(error.clone(), now);
                 }
                 schema.set_failure(error);
             }
@@ -415,10 +419,14 @@ async fn migrate_until_done(store: Store, schema: Arc<Schema>, stop: Cancellatio
 
 /// Whether `error` was last warned about less than
 /// [`MIGRATION_WARNING_INTERVAL`] before `now`.
-fn repeats_recent_warning(warned: Option<&(String, Instant)>, error: &str, now: Instant) -> bool {
-    warned.is_some_and(|(said, at)| {
-        said == error && now.saturating_duration_since(*at) < MIGRATION_WARNING_INTERVAL
-    })
+fn repeats_recent_warning(warned: &HashMap<String, Instant>, error: &str, now: Instant) -> bool {
+    warned
+        .get(error)
+        .is_some_and(|at| repeats_within_interval(*at, now))
+}
+
+fn repeats_within_interval(warned_at: Instant, now: Instant) -> bool {
+    now.saturating_duration_since(warned_at) < MIGRATION_WARNING_INTERVAL
 }
 
 #[cfg(test)]
@@ -428,22 +436,32 @@ mod tests {
     #[test]
     fn a_lasting_migration_failure_is_warned_about_when_it_changes_or_now_and_then() {
         let start = Instant::now();
-        let warned = ("connection refused".to_owned(), start);
-        assert!(!repeats_recent_warning(None, "connection refused", start));
-        let soon = start + MIGRATION_RETRY_CAP;
-        assert!(repeats_recent_warning(
-            Some(&warned),
-            "connection refused",
-            soon
-        ));
+        let mut warned = HashMap::new();
         assert!(!repeats_recent_warning(
-            Some(&warned),
+            &warned,
+            "connection refused",
+            start
+        ));
+        warned.insert("connection refused".to_owned(), start);
+        let soon = start + MIGRATION_RETRY_CAP;
+        assert!(repeats_recent_warning(&warned, "connection refused", soon));
+        assert!(!repeats_recent_warning(
+            &warned,
             "password authentication failed",
             soon
         ));
+        // Two hosts failing in turns: each error is remembered on its own.
+        warned.insert("password authentication failed".to_owned(), soon);
+        let next = soon + MIGRATION_RETRY_CAP;
+        assert!(repeats_recent_warning(&warned, "connection refused", next));
+        assert!(repeats_recent_warning(
+            &warned,
+            "password authentication failed",
+            next
+        ));
         let later = start + MIGRATION_WARNING_INTERVAL;
         assert!(!repeats_recent_warning(
-            Some(&warned),
+            &warned,
             "connection refused",
             later
         ));
