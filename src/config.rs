@@ -404,7 +404,9 @@ fn parse_document(text: &str) -> Result<Config, Problem> {
         Ok(serde_yaml::Value::Null) => return defaults(),
         // The first error, in the file's order, is the merge key's own
         // unless the file has another mistake before it.
-        Ok(value) if has_merge_key(&value) && error.to_string().contains("`<<`") => value,
+        Ok(value) if has_merge_key(&value) && error.to_string().contains("unknown field `<<`") => {
+            value
+        }
         _ if text.trim().is_empty() => return defaults(),
         _ => return Err(Problem::Parse(parse_message(&error))),
     };
@@ -828,6 +830,15 @@ mod tests {
                 && merged_mistake.ends_with("(with merge keys applied)")
                 && !merged_mistake.contains("line"),
             "{merged_mistake}"
+        );
+        // A value spelled `<<` is a mistake of its own, not a merge key.
+        let odd_value = parse_error(
+            "routes:\n  - &a { name: a, path: /a, key: { header: X }, mode: '<<' }\n  - <<: *a\n    name: b",
+        );
+        assert!(
+            odd_value.starts_with("routes[0].mode: unknown variant `<<`")
+                && odd_value.contains("at line 2"),
+            "{odd_value}"
         );
         // A mistake before any merge key keeps its line.
         let earlier_mistake =

@@ -430,7 +430,7 @@ impl Config {
                         && !secret.expose().starts_with(b"whsec_")
                     {
                         warnings.push(format!(
-                            "{at}.secrets[{index}]: does not start with `whsec_`: Stripe signs with the endpoint's signing secret (whsec_...), so with this one every delivery would be answered 401"
+                            "{at}.secrets[{index}]: does not start with `whsec_`: Stripe signs with the endpoint's signing secret (whsec_...), so no delivery verifies with this one, and without another secret every delivery is answered 401"
                         ));
                     }
                 }
