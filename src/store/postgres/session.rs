@@ -168,7 +168,10 @@ impl Session {
                         }
                         // The pooler's error says why the connection ended
                         // (`query_timeout`); the rerun's says only that it did.
-                        Err(rerun) if rerun.is_closed() => Err(error),
+                        // Only a connection-class error may stand for the
+                        // rerun: either says the outcome is unknown, where a
+                        // lost statement's own error would say nothing ran.
+                        Err(rerun) if rerun.is_closed() && connection_class(&error) => Err(error),
                         Err(rerun) => Err(rerun),
                     };
                 }
@@ -223,6 +226,13 @@ pub(super) fn lost_named_statement(error: &tokio_postgres::Error) -> bool {
     ]
     .iter()
     .any(|code| error.code() == Some(code))
+}
+
+/// Whether the error is of SQLSTATE class 08, connection exception.
+fn connection_class(error: &tokio_postgres::Error) -> bool {
+    error
+        .code()
+        .is_some_and(|code| code.code().starts_with("08"))
 }
 
 /// How many times a statement rolled back for a conflict is run again. Each
