@@ -399,15 +399,14 @@ fn parse_document(text: &str) -> Result<Config, Problem> {
         Ok(config) => return Ok(config),
         Err(error) => error,
     };
-    let defaults = || serde_yaml::from_str("{}").map_err(|e| Problem::Parse(parse_message(&e)));
     let mut merged = match serde_yaml::from_str::<serde_yaml::Value>(text) {
-        Ok(serde_yaml::Value::Null) => return defaults(),
+        // Empty, comments only, `---` or `~`.
+        Ok(serde_yaml::Value::Null) => {
+            return serde_yaml::from_str("{}").map_err(|e| Problem::Parse(parse_message(&e)));
+        }
         // The first error, in the file's order, is the merge key's own
         // unless the file has another mistake before it.
-        Ok(value) if has_merge_key(&value) && error.to_string().contains("unknown field `<<`") => {
-            value
-        }
-        _ if text.trim().is_empty() => return defaults(),
+        Ok(value) if error.to_string().contains("unknown field `<<`") => value,
         _ => return Err(Problem::Parse(parse_message(&error))),
     };
     merged
@@ -426,17 +425,6 @@ fn parse_document(text: &str) -> Result<Config, Problem> {
         }
         Problem::Parse(format!("{message} (with merge keys applied)"))
     })
-}
-
-fn has_merge_key(value: &serde_yaml::Value) -> bool {
-    match value {
-        serde_yaml::Value::Mapping(mapping) => mapping
-            .iter()
-            .any(|(key, value)| key.as_str() == Some("<<") || has_merge_key(value)),
-        serde_yaml::Value::Sequence(items) => items.iter().any(has_merge_key),
-        serde_yaml::Value::Tagged(tagged) => has_merge_key(&tagged.value),
-        _ => false,
-    }
 }
 
 /// serde_yaml's message in the file's terms rather than Rust's.
