@@ -1169,8 +1169,11 @@ class Bench:
         scenario = self.a.profile_scenario
         run = self.run_one(BY_NAME[scenario], 16, 1, 1, record=False, duration=self.a.profile_seconds)
         self.procs.stop(self.proxy_pg.proc, timeout=120)
+        # Kept beside the summary for callgrind_annotate --tree=caller etc.
+        kept = Path(self.a.results) / f"callgrind-{self.stamp}.out"
+        shutil.copyfile(data, kept)
         parts = [f"callgrind: {scenario} at 16 connections for {self.a.profile_seconds:g} s: "
-                 f"{run.requests} requests ({run.rps:.0f} req/s under valgrind)\n"]
+                 f"{run.requests} requests ({run.rps:.0f} req/s under valgrind); data: {kept}\n"]
         for inclusive in ("no", "yes"):
             r = subprocess.run(["callgrind_annotate", f"--inclusive={inclusive}", "--threshold=99",
                                 str(data)], capture_output=True, text=True)
