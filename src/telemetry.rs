@@ -214,17 +214,55 @@ fn dropped_lines() -> usize {
 /// last look, if any. The warning is queued like any line: it reaches stderr
 /// once stderr takes lines again.
 pub async fn report_dropped_lines(interval: Duration, stop: CancellationToken) {
-    let mut reported = dropped_lines();
+    let mut report = DroppedLines::since(dropped_lines());
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while stop.run_until_cancelled(ticks.tick()).await.is_some() {
-        let dropped = dropped_lines();
-        if dropped > reported {
+        let before = dropped_lines();
+        if let Some(dropped) = report.unreported(before) {
             tracing::warn!(
-                dropped = dropped - reported,
+                dropped,
                 "log lines dropped: stderr did not take them, and the queue to it was full"
             );
-            reported = dropped;
+            report.warned(before, dropped_lines());
+        }
+    }
+}
+
+/// The count of dropped lines still to be reported. A warning queued while
+/// the queue is still full is dropped itself: its count is then carried to
+/// the next warning, and the warning is not counted among the lines dropped.
+#[derive(Debug)]
+struct DroppedLines {
+    /// Of the lines the counter has counted, those already reported.
+    reported: usize,
+    /// Of them, this report's own warnings.
+    own: usize,
+}
+
+impl DroppedLines {
+    fn since(counted: usize) -> Self {
+        Self {
+            reported: counted,
+            own: 0,
+        }
+    }
+
+    /// How many lines, not counting this report's own warnings, were
+    /// dropped and not yet reported, given the counter's count.
+    fn unreported(&self, counted: usize) -> Option<usize> {
+        let dropped = counted - self.own - self.reported;
+        (dropped > 0).then_some(dropped)
+    }
+
+    /// Takes the counter's count before and after a warning was queued. A
+    /// line dropped meanwhile is taken for the warning: were it another,
+    /// the count is reported a second time rather than lost.
+    fn warned(&mut self, before: usize, after: usize) {
+        if after > before {
+            self.own += 1;
+        } else {
+            self.reported = before - self.own;
         }
     }
 }
@@ -270,6 +308,28 @@ impl<W: Write> Write for BatchingWriter<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Stderr blocked for longer than an interval: the first warnings find
+    /// the queue full and are dropped too; the first to get through says how
+    /// many lines were dropped in all, not counting the dropped warnings.
+    #[test]
+    fn a_dropped_warning_carries_its_count_to_the_next() {
+        let mut report = DroppedLines::since(3);
+        assert_eq!(report.unreported(3), None);
+        // 100 lines dropped; the warning about them is dropped too.
+        assert_eq!(report.unreported(103), Some(100));
+        report.warned(103, 104);
+        // 50 more, and that warning too.
+        assert_eq!(report.unreported(154), Some(150));
+        report.warned(154, 155);
+        // Stderr takes lines again: this warning gets through.
+        assert_eq!(report.unreported(155), Some(150));
+        report.warned(155, 155);
+        assert_eq!(report.unreported(155), None);
+        assert_eq!(report.unreported(162), Some(7));
+        report.warned(162, 162);
+        assert_eq!(report.unreported(162), None);
+    }
 
     #[test]
     fn timestamps_are_utc_to_the_microsecond_and_the_second_is_cached() {

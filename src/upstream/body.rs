@@ -284,7 +284,11 @@ impl Body for ResponseBody {
                 }
                 timer
             }
-            None => this.timer.insert(Box::pin(tokio::time::sleep(timeout))),
+            None => {
+                // Set from now: a piece that came before counts in this one.
+                this.rearm = false;
+                this.timer.insert(Box::pin(tokio::time::sleep(timeout)))
+            }
         };
         match timer.as_mut().poll(cx) {
             Poll::Ready(()) => {
@@ -307,9 +311,51 @@ impl Body for ResponseBody {
 
 #[cfg(test)]
 mod tests {
+    use http_body_util::BodyExt;
+    use hyper_util::rt::TokioIo;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
 
     const TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// A response whose head and first piece came, then nothing: the body
+    /// is cut off `timeout` after that piece, not twice that (the piece
+    /// made before the timer once pushed the first deadline back by a whole
+    /// timeout).
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stalls_after_a_piece_is_cut_off_one_timeout_later() {
+        let (near, mut far) = tokio::io::duplex(4096);
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(near))
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let upstream = tokio::spawn(async move {
+            let mut request = [0; 1024];
+            let _ = far.read(&mut request).await.unwrap();
+            far.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+                .await
+                .unwrap();
+            // Held open, silent.
+            std::future::pending::<()>().await;
+            drop(far);
+        });
+        let request = http::Request::get("/")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        let mut body = ResponseBody::new(response.into_body(), TIMEOUT, None);
+        let first = body.frame().await.unwrap().unwrap();
+        assert_eq!(first.into_data().unwrap(), "first");
+        let piece_came = Instant::now();
+        let cut_off = body.frame().await.unwrap().unwrap_err();
+        assert!(
+            matches!(cut_off, ResponseBodyError::Stalled(_)),
+            "{cut_off:?}"
+        );
+        assert_eq!(piece_came.elapsed(), TIMEOUT);
+        upstream.abort();
+    }
 
     fn body_due_in(seconds: u64) -> (BodyEnd, Instant) {
         let start = Instant::now();
