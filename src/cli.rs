@@ -45,6 +45,48 @@ impl Cli {
 /// The environment variable naming the configuration file.
 pub const CONFIG_ENV: &str = "DEDUPE_CONFIG";
 
+/// The log format `args` (the program's name left out) ask for, read without
+/// clap: for an error in the arguments themselves, which clap could not
+/// parse. The last `--log-format` wins, as it does with clap.
+pub fn log_format_asked<A: AsRef<std::ffi::OsStr>>(args: &[A]) -> LogFormat {
+    let mut format = LogFormat::Text;
+    let mut args = args.iter().map(AsRef::as_ref);
+    while let Some(arg) = args.next() {
+        let value = match arg.to_str() {
+            Some("--") => break,
+            Some("--log-format") => args.next().and_then(std::ffi::OsStr::to_str),
+            Some(arg) => arg.strip_prefix("--log-format="),
+            None => None,
+        };
+        if let Some(value) = value {
+            format = LogFormat::from_str(value, false).unwrap_or(LogFormat::Text);
+        }
+    }
+    format
+}
+
+/// A usage error's text on one line, for a JSON log line: clap's own
+/// without its `error: ` and its pointer to `--help`.
+pub fn usage_message(error: &clap::Error) -> String {
+    let rendered = error.render().to_string();
+    rendered
+        .trim()
+        .strip_prefix("error: ")
+        .unwrap_or(rendered.trim())
+        .split("\n\n")
+        .filter(|paragraph| !paragraph.starts_with("For more information"))
+        .map(|paragraph| {
+            paragraph
+                .lines()
+                .map(str::trim)
+                .filter(|line| !line.is_empty())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -74,13 +116,15 @@ pub enum Command {
     },
 }
 
-/// `prune --older-than`: a duration, as in the configuration, that is not
-/// zero, which would delete every key not under a live lease (the
-/// configuration refuses a zero `retention` alike).
+/// `prune --older-than`: a duration, as in the configuration, of at least a
+/// millisecond: anything shorter (a mistyped unit, or 0) would delete every
+/// key not under a live lease (the configuration refuses such a
+/// `retention` alike).
 fn parse_horizon(text: &str) -> Result<Duration, String> {
     match crate::config::parse_duration(text)? {
-        horizon if horizon.is_zero() => Err(
-            "must be greater than zero (0 would delete every key not under a live lease)".into(),
+        horizon if horizon < Duration::from_millis(1) => Err(
+            "must be at least 1ms (anything shorter would delete every key not under a live lease)"
+                .into(),
         ),
         horizon => Ok(horizon),
     }
@@ -225,6 +269,51 @@ mod tests {
     }
 
     #[test]
+    fn the_log_format_asked_for_is_found_without_clap() {
+        assert_eq!(log_format_asked::<&str>(&[]), LogFormat::Text);
+        for args in [
+            &["--log-format", "json", "keys", "list"][..],
+            &["keys", "list", "--status", "bogus", "--log-format=json"],
+            &["--log-format", "text", "--log-format", "json"],
+        ] {
+            assert_eq!(log_format_asked(args), LogFormat::Json, "{args:?}");
+        }
+        for args in [
+            &["--log-format", "json", "--log-format", "text"][..],
+            &["--log-format"],
+            &["--log-format", "yaml"],
+            &["keys", "show", "--", "--log-format", "json"],
+        ] {
+            assert_eq!(log_format_asked(args), LogFormat::Text, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn a_usage_error_is_put_on_one_line() {
+        let error =
+            Cli::try_parse_from(["dedupe-proxy", "keys", "list", "--status", "bogus"]).unwrap_err();
+        let message = usage_message(&error);
+        assert!(
+            message.starts_with("invalid value 'bogus' for '--status <STATUS>'"),
+            "{message}"
+        );
+        assert!(
+            !message.contains('\n') && !message.contains("--help"),
+            "{message}"
+        );
+        let missing = Cli::try_parse_from(["dedupe-proxy", "keys", "show"]).unwrap_err();
+        let message = usage_message(&missing);
+        assert!(
+            message.starts_with("the following required arguments were not provided:"),
+            "{message}"
+        );
+        assert!(
+            message.contains("Usage: dedupe-proxy keys show"),
+            "{message}"
+        );
+    }
+
+    #[test]
     fn prune_takes_durations_as_the_configuration_does() {
         let older_than = |text: &str| {
             Cli::try_parse_from(["dedupe-proxy", "prune", "--older-than", text]).map(
@@ -240,10 +329,11 @@ mod tests {
         );
         let error = older_than("1M").unwrap_err().to_string();
         assert!(error.contains("`M` is months"), "{error}");
-        for zero in ["0", "0s", "0d"] {
-            let error = older_than(zero).unwrap_err();
+        for too_short in ["0", "0s", "0d", "1ns", "999us"] {
+            let error = older_than(too_short).unwrap_err();
             assert_eq!(error.kind(), clap::error::ErrorKind::ValueValidation);
-            assert!(error.to_string().contains("greater than zero"), "{error}");
+            assert!(error.to_string().contains("at least 1ms"), "{error}");
         }
+        assert_eq!(older_than("1ms").unwrap(), Some(Duration::from_millis(1)));
     }
 }

@@ -22,7 +22,10 @@ const CONFIG_ERROR: u8 = 2;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return usage_error(&error),
+    };
     let Some(path) = cli.config_path() else {
         telemetry::fatal(
             cli.log_format,
@@ -72,6 +75,25 @@ async fn main() -> ExitCode {
             ExitCode::from(RUNTIME_FAILURE)
         }
     }
+}
+
+/// Prints an error in the arguments as clap does, or, where they ask for
+/// JSON logs, as the one JSON line any other fatal error is; help and the
+/// version are for people, and stay as clap prints them.
+fn usage_error(error: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    let args: Vec<_> = std::env::args_os().skip(1).collect();
+    let for_people = matches!(
+        error.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    );
+    if for_people || cli::log_format_asked(&args) == telemetry::LogFormat::Text {
+        error.exit();
+    }
+    telemetry::fatal(telemetry::LogFormat::Json, None, &cli::usage_message(error));
+    ExitCode::from(CONFIG_ERROR)
 }
 
 async fn run(config: &Config) -> anyhow::Result<()> {

@@ -68,7 +68,11 @@ fn parse_unbounded(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|error| match error {
         // humantime's own text for this lists months and years among the
         // units, which this parser refuses.
-        humantime::DurationError::UnknownUnit { unit, .. } if !unit.is_empty() => {
+        // humantime's own suggests `90sec`, a spelling used nowhere else.
+        humantime::DurationError::UnknownUnit { unit, value, .. } if unit.is_empty() => {
+            format!("`{text}`: a unit is needed, as in {value}s or {value}ms ({HINT})")
+        }
+        humantime::DurationError::UnknownUnit { unit, .. } => {
             format!("`{text}`: unknown unit `{unit}` ({HINT}; units: ns, us, ms, s, m, h, d, w)")
         }
         error => format!("`{text}`: {error} ({HINT})"),
@@ -197,6 +201,9 @@ mod tests {
             "refused units not offered: {unknown}"
         );
         let unitless = parse("30").unwrap_err();
-        assert!(unitless.contains("unit needed"), "{unitless}");
+        assert!(
+            unitless.contains("a unit is needed, as in 30s or 30ms"),
+            "{unitless}"
+        );
     }
 }

@@ -61,8 +61,11 @@ impl Config {
             ),
         );
         // Shorter than any round trip: a unit mistyped (`us` for `s`) that
-        // would fail every request.
+        // would fail every request, forget every key at once or prune
+        // without a pause.
         for (field, value) in [
+            ("store.retention", self.store.retention),
+            ("store.prune_interval", self.store.prune_interval),
             ("upstream.timeout", self.upstream.timeout),
             ("upstream.connect_timeout", self.upstream.connect_timeout),
             (
@@ -107,15 +110,6 @@ impl Config {
                 self.store.table
             ),
         );
-        for (field, value) in [
-            ("store.retention", self.store.retention),
-            ("store.prune_interval", self.store.prune_interval),
-        ] {
-            check(
-                !value.is_zero(),
-                format!("{field}: must be greater than zero"),
-            );
-        }
         // SQLite takes its busy timeout in milliseconds as an i32 (24.8 days);
         // a store operation allowed a day is already no timeout at all.
         check(
@@ -320,8 +314,11 @@ impl Config {
                 problems.push(format!("{at}.handshakes[{index}].{problem}"));
             }
         }
-        if route.retention.is_some_and(|retention| retention.is_zero()) {
-            problems.push(format!("{at}.retention: must be greater than zero"));
+        if route
+            .retention
+            .is_some_and(|retention| retention < Duration::from_millis(1))
+        {
+            problems.push(format!("{at}.retention: must be at least 1ms"));
         }
         // A timestamp is in seconds: no tolerance would refuse a signature
         // made a second before it arrived.
@@ -621,12 +618,16 @@ mod tests {
         "routes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]";
 
     /// A timeout shorter than any round trip is a mistyped unit, and would
-    /// fail every request.
+    /// fail every request; a retention that short forgets every key at
+    /// once, and a prune interval that short prunes without a pause.
     #[test]
-    fn timeouts_are_at_least_a_millisecond() {
-        let timeouts = "upstream: { timeout: 500us, connect_timeout: 0s }\nlimits: { header_read_timeout: 999us, body_read_timeout: 0ms }\nstore: { timeout: 1us }\n";
-        let found = problems(&format!("{timeouts}{ROUTE}"));
+    fn timeouts_retentions_and_the_prune_interval_are_at_least_a_millisecond() {
+        let timeouts = "upstream: { timeout: 500us, connect_timeout: 0s }\nlimits: { header_read_timeout: 999us, body_read_timeout: 0ms }\nstore: { timeout: 1us, retention: 1us, prune_interval: 0s }\nroutes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id }, retention: 999us }]\n";
+        let found = problems(timeouts);
         for field in [
+            "routes[0] (orders).retention",
+            "store.retention",
+            "store.prune_interval",
             "upstream.timeout",
             "upstream.connect_timeout",
             "limits.header_read_timeout",
@@ -639,8 +640,8 @@ mod tests {
                 "{field}: {found:?}"
             );
         }
-        let shortest = "upstream: { timeout: 1ms, connect_timeout: 1ms }\nlimits: { header_read_timeout: 1ms, body_read_timeout: 1ms }\nstore: { timeout: 1ms, lease: 1s }\n";
-        parse(&format!("{shortest}{ROUTE}")).unwrap();
+        let shortest = "upstream: { timeout: 1ms, connect_timeout: 1ms }\nlimits: { header_read_timeout: 1ms, body_read_timeout: 1ms }\nstore: { timeout: 1ms, lease: 1s, retention: 1ms, prune_interval: 1ms }\nroutes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id }, retention: 1ms }]\n";
+        parse(shortest).unwrap();
     }
 
     #[test]

@@ -241,7 +241,8 @@ async fn read_shape(
     match shape.problem() {
         None => Ok(shape),
         Some(problem) => Err(StoreError::NotClaimsTable {
-            table: table.to_owned(),
+            // As the statements name it, and `migrate` says it.
+            table: table.to_ascii_lowercase(),
             problem,
         }),
     }

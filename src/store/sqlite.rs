@@ -253,7 +253,8 @@ impl SqliteStore {
 
     fn not_claims_table(&self, problem: String) -> StoreError {
         StoreError::NotClaimsTable {
-            table: self.table.clone(),
+            // As `migrate` says it: `store.table` is case-insensitive.
+            table: self.table.to_ascii_lowercase(),
             problem,
         }
     }

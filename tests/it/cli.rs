@@ -376,6 +376,37 @@ fn check_config_prints_warnings_whatever_the_log_level() {
     );
 }
 
+/// An error in the arguments themselves is, under `--log-format json`, the
+/// one JSON line any other fatal error is; clap's own text otherwise.
+#[test]
+fn usage_errors_follow_the_log_format() {
+    for args in [
+        &["--log-format", "json", "keys", "list", "--status", "bogus"][..],
+        &["keys", "list", "--status", "bogus", "--log-format=json"],
+    ] {
+        let out = run(args, Some(VALID), &[]);
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        let line: serde_json::Value = serde_json::from_str(out.stderr.trim())
+            .unwrap_or_else(|e| panic!("not one JSON object ({e}): {}", out.stderr));
+        assert_eq!(line["level"], "ERROR", "{line}");
+        assert!(
+            line["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("invalid value 'bogus' for '--status <STATUS>'"),
+            "{line}"
+        );
+    }
+    let text = run(&["keys", "list", "--status", "bogus"], Some(VALID), &[]);
+    assert_eq!(text.code, 2);
+    assert!(
+        text.stderr
+            .starts_with("error: invalid value 'bogus' for '--status <STATUS>'"),
+        "{}",
+        text.stderr
+    );
+}
+
 #[test]
 fn configuration_errors_exit_2_naming_the_field() {
     let unknown = run(&["check-config"], Some("store: { lease_time: 5m }\n"), &[]);
