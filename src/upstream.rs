@@ -365,10 +365,15 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// Removes from trailers, either way, what is removed from heads: the
-/// hop-by-hop fields and the proxy's own.
+/// hop-by-hop fields and the proxy's own, and the forwarding fields it sets
+/// in the head, which an application merging trailers into the head would
+/// otherwise take from the sender.
 fn strip_trailers(trailers: &mut HeaderMap) {
     strip_hop_by_hop(trailers);
     strip_dedupe_headers(trailers);
+    for field in [X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO] {
+        trailers.remove(field);
+    }
 }
 
 /// Removes every `X-Dedupe-*` field, so a sender cannot forge them, and

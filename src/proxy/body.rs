@@ -49,7 +49,8 @@ impl Proxy {
                 Err(Answer::Rejected(Rejection::TooLarge(limit)))
             }
             Ok(Err(Refused::Body(error))) => Err(Answer::Rejected(Rejection::BadRequest(format!(
-                "could not read the request body: {error}"
+                "the request body could not be read: {}",
+                crate::error_chain(&*error)
             )))),
             Err(_) => Err(Answer::Rejected(Rejection::Timeout)),
         }

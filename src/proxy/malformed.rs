@@ -9,10 +9,8 @@ use hyper::body::Incoming;
 /// Why RFC 9112 has a server refuse the request with 400, if it does: its
 /// framing could be read two ways, or its `Host` is missing or repeated.
 pub(super) fn malformation(request: &Request<Incoming>) -> Option<&'static str> {
-    if is_ambiguously_framed(request.headers()) {
-        return Some(
-            "ambiguous message framing: Transfer-Encoding must be exactly `chunked`, without Content-Length",
-        );
+    if let Some(problem) = framing_problem(request.headers()) {
+        return Some(problem);
     }
     if request.method() == Method::CONNECT {
         return Some(
@@ -28,10 +26,9 @@ pub(super) fn malformation(request: &Request<Incoming>) -> Option<&'static str> 
         }
         (host, _) => host,
     };
-    let is_host_and_port = |name: &[u8]| name.iter().all(|&byte| HOST_BYTES[usize::from(byte)]);
     // RFC 9112 section 3.2: a Host that is not a host and an optional port
-    // (`a/b`, `a b`, `user@a`) would be passed on as one to the application,
-    // and in X-Forwarded-Host.
+    // (`a/b`, `a b`, `user@a`, `a:b`, `[::1`) would be passed on as one to
+    // the application, and in X-Forwarded-Host.
     if host.is_some_and(|host| !is_host_and_port(host.as_bytes())) {
         return Some("the Host field is not a host with an optional port");
     }
@@ -47,6 +44,20 @@ pub(super) fn malformation(request: &Request<Incoming>) -> Option<&'static str> 
         return Some("the request target's authority is not a host with an optional port");
     }
     let http2 = request.version() >= Version::HTTP_2;
+    // RFC 9113 section 8.2.1. HTTP/1's parser trims such whitespace, so
+    // taken as it comes a key would be another key over HTTP/2 than the
+    // same delivery's over HTTP/1, and a value of spaces a key at all.
+    if http2
+        && request.headers().values().any(|value| {
+            let value = value.as_bytes();
+            [value.first(), value.last()]
+                .into_iter()
+                .flatten()
+                .any(|&byte| byte == b' ' || byte == b'\t')
+        })
+    {
+        return Some("a field value starts or ends with whitespace, which HTTP/2 does not allow");
+    }
     if !http2 && target.scheme().is_none() && target.authority().is_some() {
         return Some("a request target in authority form is for CONNECT only");
     }
@@ -70,38 +81,90 @@ pub(super) fn malformation(request: &Request<Incoming>) -> Option<&'static str> 
     None
 }
 
-/// The bytes that may appear in a host and port (RFC 3986 section 3.2.2: a
-/// name's unreserved characters, escapes and sub-delimiters, an IP
-/// literal's brackets and colons, the port's colon), as a table looked up
-/// once per byte of every request's Host. Not `http::uri::Authority`, which
-/// copies the field to parse it.
-const HOST_BYTES: [bool; 256] = {
-    let mut table = [false; 256];
-    let mut byte = 0;
-    while byte < 256 {
-        table[byte] = (byte as u8).is_ascii_alphanumeric();
-        byte += 1;
-    }
-    let others = b"-._~%!$&'()*+,;=:[]";
-    let mut i = 0;
-    while i < others.len() {
-        table[others[i] as usize] = true;
-        i += 1;
-    }
-    table
-};
+/// Whether `field` is a host and an optional port (RFC 3986 section 3.2.2
+/// and 3.2.3): a name or IPv4 address, or an IP literal in brackets, then
+/// `:` and digits, or nothing. Checked byte by byte, not with
+/// `http::uri::Authority`, which copies the field to parse it.
+fn is_host_and_port(field: &[u8]) -> bool {
+    let (host_is_valid, port) = match field.strip_prefix(b"[") {
+        Some(literal) => match literal.iter().position(|&byte| byte == b']') {
+            Some(end) => (
+                end > 0 && literal[..end].iter().all(|&byte| is_ip_literal_byte(byte)),
+                &literal[end + 1..],
+            ),
+            None => return false,
+        },
+        None => {
+            let end = field
+                .iter()
+                .position(|&byte| byte == b':')
+                .unwrap_or(field.len());
+            (
+                field[..end].iter().all(|&byte| is_name_byte(byte)),
+                &field[end..],
+            )
+        }
+    };
+    let port_is_valid = match port {
+        [] => true,
+        [b':', digits @ ..] => digits.iter().all(u8::is_ascii_digit),
+        _ => false,
+    };
+    host_is_valid && port_is_valid
+}
 
-/// Whether the request's framing could be read two ways by two servers (the
-/// request-smuggling pattern): both `Content-Length` and `Transfer-Encoding`,
-/// or a transfer coding other than one `chunked`.
-fn is_ambiguously_framed(headers: &http::HeaderMap) -> bool {
+/// A registered name's unreserved characters, escapes and sub-delimiters
+/// (an IPv4 address is one too).
+fn is_name_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=".contains(&byte)
+}
+
+/// What an IPv6 address or an `IPvFuture` in brackets is made of.
+fn is_ip_literal_byte(byte: u8) -> bool {
+    byte == b':' || is_name_byte(byte)
+}
+
+/// Why the request's framing could be read two ways by two servers (the
+/// request-smuggling pattern), if it could: a transfer coding other than
+/// one `chunked`, or one beside `Content-Length`.
+fn framing_problem(headers: &http::HeaderMap) -> Option<&'static str> {
+    const CODING: &str =
+        "ambiguous message framing: the only transfer coding accepted is a single `chunked`";
     let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter();
     match (codings.next(), codings.next()) {
-        (None, _) => false,
-        (Some(coding), None) => {
-            headers.contains_key(header::CONTENT_LENGTH)
-                || !coding.as_bytes().eq_ignore_ascii_case(b"chunked")
+        (None, _) => None,
+        (Some(coding), None) if coding.as_bytes().eq_ignore_ascii_case(b"chunked") => headers
+            .contains_key(header::CONTENT_LENGTH)
+            .then_some("ambiguous message framing: both Transfer-Encoding and Content-Length"),
+        (Some(_), _) => Some(CODING),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_is_a_name_address_or_literal_and_an_optional_port() {
+        for host in [
+            "a.example",
+            "a.example:8080",
+            "a.example:",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:8080",
+            "[v1.x]",
+            "a%2Db",
+            "a,b",
+            "",
+        ] {
+            assert!(is_host_and_port(host.as_bytes()), "{host}");
         }
-        (Some(_), Some(_)) => true,
+        for host in [
+            "a/b", "a b", "user@a", "a:b", "a:80:90", "a:+80", "::1", "[::1", "[::1]x", "[]",
+            "[::1]:x", "a[b]", "a]", "a\\b",
+        ] {
+            assert!(!is_host_and_port(host.as_bytes()), "{host}");
+        }
     }
 }

@@ -6,7 +6,10 @@
 //! made. hyper polls a response body only once the sender's window has room,
 //! so the body cannot notice that itself: a task per response watches it and
 //! drops what it is passing on, freeing the upstream connection, once the
-//! sender has taken nothing for `upstream.timeout`.
+//! sender has taken nothing for `upstream.timeout`. The request then no
+//! longer counts as open on its connection, so a connection left with only
+//! such streams is closed as idle: hyper would keep waiting for the window
+//! to open, and could not reset the stream.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
@@ -22,7 +25,8 @@ use crate::proxy::Body;
 use crate::upstream::ResponseBodyError;
 
 /// `body`, cut off once its sender has taken nothing of it for `stall`.
-/// `guard` is kept for as long as the body is being passed on.
+/// `guard` is kept for as long as the body is being passed on, and dropped
+/// when it is cut off.
 pub(super) fn watched<G: Send + Sync + 'static>(body: Body, stall: Duration, guard: G) -> Body {
     if body.is_end_stream() {
         return body;
@@ -31,17 +35,17 @@ pub(super) fn watched<G: Send + Sync + 'static>(body: Body, stall: Duration, gua
         body: Some(body),
         handed_at: Some(Instant::now()),
         cut_off: None,
+        guard: Some(guard),
     }));
     let dropped = CancellationToken::new();
     tokio::spawn(watch(Arc::downgrade(&slot), stall, dropped.clone()));
     Body::new(Watched {
         slot,
-        _guard: guard,
         _dropped: dropped.drop_guard(),
     })
 }
 
-struct Slot {
+struct Slot<G> {
     /// `None` once the body has ended or was dropped for the stall.
     body: Option<Body>,
     /// Since when the sender has been waited on for the next poll: set when
@@ -50,11 +54,11 @@ struct Slot {
     handed_at: Option<Instant>,
     /// Set when the body was dropped for the stall, until it is reported.
     cut_off: Option<Duration>,
+    guard: Option<G>,
 }
 
 struct Watched<G> {
-    slot: Arc<Mutex<Slot>>,
-    _guard: G,
+    slot: Arc<Mutex<Slot<G>>>,
     /// Ends the watch, and takes its timer out of the runtime's, as soon as
     /// the body is done with rather than at its next deadline: a watch that
     /// outlived its response by `stall` would hold a task and a timer for
@@ -108,7 +112,7 @@ impl<G> hyper::body::Body for Watched<G> {
 
 /// Drops the body once its sender has taken nothing for `stall`; ends when
 /// the body has ended or is dropped.
-async fn watch(slot: Weak<Mutex<Slot>>, stall: Duration, dropped: CancellationToken) {
+async fn watch<G>(slot: Weak<Mutex<Slot<G>>>, stall: Duration, dropped: CancellationToken) {
     let mut deadline = Instant::now() + stall;
     loop {
         if dropped
@@ -127,6 +131,7 @@ async fn watch(slot: Weak<Mutex<Slot>>, stall: Duration, dropped: CancellationTo
             Some(due) if due <= Instant::now() => {
                 slot.body = None;
                 slot.cut_off = Some(stall);
+                slot.guard = None;
                 tracing::warn!(
                     error = %ResponseBodyError::SenderStalled(stall),
                     "the upstream's response was cut off on its way to the sender"
@@ -186,10 +191,20 @@ mod tests {
         alive_tasks_settle_at(before).await;
     }
 
+    /// The body is dropped, and so is the guard (which counts the request
+    /// open on its connection), although hyper never polls the body again:
+    /// it waits for the sender's window to open.
     #[tokio::test(start_paused = true)]
     async fn a_body_its_sender_takes_nothing_of_is_dropped_after_the_stall() {
         let stall = Duration::from_secs(30);
-        let mut watched = watched(body("never taken"), stall, ());
+        let (guard, guard_dropped) = tokio::sync::oneshot::channel::<()>();
+        let started = Instant::now();
+        let mut watched = watched(body("never taken"), stall, guard);
+        tokio::time::timeout(stall * 2, guard_dropped)
+            .await
+            .expect("the guard is dropped at the cut")
+            .expect_err("dropped, never sent on");
+        assert_eq!(Instant::now().duration_since(started), stall);
         tokio::time::sleep(stall * 2).await;
         let frame = watched.frame().await.expect("the cut is reported");
         assert!(

@@ -506,7 +506,8 @@ async fn missing_key_can_be_forwarded_without_dedupe(backend: Backend) {
 
 /// `X-Dedupe-*` fields sent as trailers are stripped as header fields are:
 /// an application that merges trailers into the head would otherwise take
-/// them for the proxy's. So are hop-by-hop ones. Other trailers pass.
+/// them for the proxy's. So are hop-by-hop ones, and the forwarding fields
+/// the proxy sets in the head. Other trailers pass.
 #[tokio::test]
 async fn forged_dedupe_trailers_are_stripped_from_unmatched_requests() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
@@ -514,9 +515,11 @@ async fn forged_dedupe_trailers_are_stripped_from_unmatched_requests() {
     stream
         .write_all(
             b"POST /other HTTP/1.1\r\nhost: proxy\r\ntransfer-encoding: chunked\r\n\
-              trailer: x-dedupe-key, x-other, x_dedupe_key, keep-alive\r\nconnection: close\r\n\r\n\
+              trailer: x-dedupe-key, x-other, x_dedupe_key, keep-alive, x-forwarded-for, x-forwarded-host\r\n\
+              connection: close\r\n\r\n\
               2\r\nhi\r\n0\r\nx-dedupe-key: forged\r\nx-other: kept\r\n\
-              x_dedupe_key: forged\r\nkeep-alive: timeout=1\r\n\r\n",
+              x_dedupe_key: forged\r\nkeep-alive: timeout=1\r\n\
+              x-forwarded-for: 6.6.6.6\r\nx-forwarded-host: evil\r\n\r\n",
         )
         .await
         .unwrap();

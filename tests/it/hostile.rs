@@ -128,6 +128,24 @@ async fn request_smuggling_patterns_are_refused() {
     assert_healthy_and_untouched(&app).await;
 }
 
+/// A webhook whose chunked body breaks off in a bad chunk size is answered
+/// 400 with what was wrong with it, and nothing is claimed or forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_badly_chunked_webhook_body_is_refused_saying_why() {
+    let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
+    let answer = only_answer_before_close(
+        &app,
+        "POST /hooks/orders HTTP/1.1\r\nHost: x\r\nX-Event-Id: c1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\ng\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(
+        answer.contains("the request body could not be read: ") && answer.contains("chunk size"),
+        "{answer}"
+    );
+    assert_healthy_and_untouched(&app).await;
+}
+
 /// A request refused for its framing or its `Host` closes its connection:
 /// whatever follows it on the connection is not read as a request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -239,8 +257,10 @@ async fn a_sender_that_writes_a_huge_body_before_reading_gets_its_413() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
-    let refused: [&[u8]; 8] = [
+    let refused: [&[u8]; 10] = [
         b"POST /hooks/orders HTTP/1.1\r\nHost: x/evil\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/orders HTTP/1.1\r\nHost: x:y\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /hooks/orders HTTP/1.1\r\nHost: [::1\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
         b"POST /hooks/orders HTTP/1.1\r\nHost: a b\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
         b"POST /hooks/orders HTTP/1.1\r\nHost: user@x\r\nX-Event-Id: t0\r\nContent-Length: 2\r\n\r\n{}",
         b"CONNECT a.example:443 HTTP/1.1\r\nHost: a.example:443\r\n\r\n",
@@ -259,7 +279,8 @@ async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
 
 /// Over HTTP/2 as over HTTP/1: a Host that names another authority than
 /// `:authority`, an `:authority` with a user part, and `*` as the path of
-/// anything but OPTIONS, are refused.
+/// anything but OPTIONS, are refused; and so is a field value with
+/// whitespace around it, which HTTP/1 would have trimmed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
@@ -284,7 +305,28 @@ async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
         .header("x-event-id", "h2_user")
         .body(())
         .unwrap();
-    for request in [other_host, star, user_authority] {
+    // RFC 9113 section 8.2.1: HTTP/1 would have trimmed the key to
+    // another's, or to none.
+    let padded_key = http::Request::post("http://a.example/hooks/orders")
+        .header("x-event-id", "h2_same ")
+        .body(())
+        .unwrap();
+    let blank_key = http::Request::post("http://a.example/hooks/orders")
+        .header("x-event-id", "\t")
+        .body(())
+        .unwrap();
+    let padded_elsewhere = http::Request::post("http://a.example/elsewhere")
+        .header("x-anything", " x")
+        .body(())
+        .unwrap();
+    for request in [
+        other_host,
+        star,
+        user_authority,
+        padded_key,
+        blank_key,
+        padded_elsewhere,
+    ] {
         let response = send_whole(client.clone(), request).await.await.unwrap();
         assert_eq!(response.status(), 400);
         assert_eq!(response.headers()["x-dedupe-outcome"], "rejected");
@@ -1031,7 +1073,9 @@ async fn an_http2_connection_may_open_100_streams() {
 /// An HTTP/2 sender that takes nothing of a response (its stream's
 /// flow-control window left at zero) has it cut off after
 /// `upstream.timeout`, so the upstream connection the response came on is
-/// closed instead of being held for as long as the sender stays connected.
+/// closed instead of being held for as long as the sender stays connected;
+/// and the stream no longer counts as open, so the sender's connection,
+/// with no other request on it, is closed as idle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_sender_that_takes_nothing_of_a_response_frees_its_upstream_connection() {
     let (upstream_addr, closed) = answering_once(|mut stream| async move {
@@ -1046,20 +1090,30 @@ async fn an_http2_sender_that_takes_nothing_of_a_response_frees_its_upstream_con
     let app = TestApp::spawn(Backend::Sqlite, |config| {
         config.upstream.url = format!("http://{upstream_addr}");
         config.upstream.timeout = Duration::from_millis(300);
+        config.limits.header_read_timeout = Duration::from_millis(300);
     })
     .await;
-    let (client, _) = http2_client(&app, h2::client::Builder::new().initial_window_size(0)).await;
+    let (client, connection) =
+        http2_client(&app, h2::client::Builder::new().initial_window_size(0)).await;
     let request = http::Request::get("http://localhost/download")
         .body(())
         .unwrap();
-    let response = send_whole(client, request).await;
+    let response = send_whole(client.clone(), request).await;
     let response = response.await.unwrap();
     assert_eq!(response.headers()["x-dedupe-outcome"], "passthrough");
-    // A guard against a hang, not a measure: the cut comes after 300 ms.
+    // Guards against a hang, not measures: the cut comes after 300 ms, the
+    // connection's close 300 ms after its GOAWAY, 300 ms later.
     tokio::time::timeout(Duration::from_secs(20), closed)
         .await
         .expect("the upstream connection is closed")
         .unwrap();
+    tokio::time::timeout(Duration::from_secs(20), connection)
+        .await
+        .expect("the proxy closed the sender's connection")
+        .unwrap()
+        .ok();
+    // Held until then: the sender neither closed nor gave up its stream.
+    drop((client, response));
     assert_eq!(app.admin_get("/healthz").await.status, 200);
 }
 
