@@ -42,7 +42,11 @@ pub struct Config {
     #[serde(default = "default_admin_listen", deserialize_with = "listen_address")]
     pub admin_listen: SocketAddr,
     /// Optional inbound TLS on `listen`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "tls_if_given"
+    )]
     pub tls: Option<TlsConfig>,
     /// The application the proxy forwards to.
     #[serde(default, deserialize_with = "null_as_default")]
@@ -481,6 +485,20 @@ where
     T: Deserialize<'de> + Default,
 {
     Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// `tls`, which unlike the other sections is not taken empty for its
+/// defaults: a `tls:` whose fields are commented out would otherwise serve
+/// plain HTTP where TLS was meant, without a word.
+fn tls_if_given<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<TlsConfig>, D::Error> {
+    match Option::<TlsConfig>::deserialize(deserializer)? {
+        Some(tls) => Ok(Some(tls)),
+        None => Err(serde::de::Error::custom(
+            "tls is empty: give cert_file and key_file, or leave tls out to serve plain HTTP",
+        )),
+    }
 }
 
 /// An `IP:PORT` address, refused with an example of one: a port alone or a

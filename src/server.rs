@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use hyper::server::conn::{http1, http2};
@@ -352,14 +352,59 @@ async fn reload_on_sighup(
             return;
         }
     };
+    let latest = Arc::new(AtomicU64::new(0));
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
-            _ = hangups.recv() => match reloader.as_deref().map(CertificateReloader::reload) {
+            _ = hangups.recv() => match &reloader {
                 None => tracing::info!("SIGHUP: no TLS listener, nothing to reload"),
-                Some(Ok(())) => tracing::info!("SIGHUP: TLS certificate reloaded"),
-                Some(Err(error)) => tracing::error!(%error, "SIGHUP: TLS certificate not reloaded; keeping the previous one"),
+                Some(reloader) => {
+                    let this = latest.fetch_add(1, Ordering::Relaxed) + 1;
+                    let reload = reload(Arc::clone(reloader), this, Arc::clone(&latest));
+                    tokio::spawn(stop.clone().run_until_cancelled_owned(reload));
+                }
             },
+        }
+    }
+}
+
+/// Longest a reload waits for its files to be read before it is given up.
+const RELOAD_READ_LIMIT: Duration = Duration::from_secs(10);
+
+/// One SIGHUP's reload. The files are read on a thread of their own, not
+/// the runtime's: a read that never returns (a FIFO, a hung network mount)
+/// would otherwise hold a worker, and the runtime's shutdown with it, and
+/// keep every later SIGHUP from reloading. The latest SIGHUP decides: a
+/// read that comes back after a later SIGHUP's is dropped.
+async fn reload(reloader: Arc<CertificateReloader>, this: u64, latest: Arc<AtomicU64>) {
+    const NOT_RELOADED: &str = "SIGHUP: TLS certificate not reloaded; keeping the previous one";
+    let (done, read) = tokio::sync::oneshot::channel();
+    let reading = Arc::clone(&reloader);
+    let started = std::thread::Builder::new()
+        .name("dedupe-tls-reload".into())
+        .spawn(move || {
+            let _ = done.send(reading.read());
+        });
+    if let Err(error) = started {
+        tracing::error!(%error, "{NOT_RELOADED}");
+        return;
+    }
+    match tokio::time::timeout(RELOAD_READ_LIMIT, read).await {
+        Err(_) => tracing::error!(
+            error = %format!(
+                "reading tls.cert_file and tls.key_file took longer than {}",
+                crate::config::format_duration(RELOAD_READ_LIMIT)
+            ),
+            "{NOT_RELOADED}"
+        ),
+        Ok(Err(_)) => tracing::error!(error = "the reading thread failed", "{NOT_RELOADED}"),
+        Ok(Ok(Err(error))) => tracing::error!(%error, "{NOT_RELOADED}"),
+        Ok(Ok(Ok(_))) if latest.load(Ordering::Relaxed) != this => {
+            tracing::debug!("SIGHUP: a later SIGHUP's reload supersedes this one");
+        }
+        Ok(Ok(Ok(pair))) => {
+            reloader.install(pair);
+            tracing::info!("SIGHUP: TLS certificate reloaded");
         }
     }
 }

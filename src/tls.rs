@@ -20,20 +20,26 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     /// A PEM file could not be read or parsed.
-    #[error("{path}: {message}")]
+    #[error("{field}: {path}: {message}")]
     Pem {
+        /// The setting that names the file.
+        field: &'static str,
         /// The file.
         path: PathBuf,
         /// What is wrong with it.
         message: String,
     },
     /// The certificate and key do not form a usable pair.
-    #[error("certificate and key: {0}")]
+    #[error("tls.cert_file and tls.key_file: {0}")]
     Pair(String),
     /// No trusted roots could be loaded.
-    #[error("no trusted root certificates: {0}")]
+    #[error("{0}")]
     Roots(String),
 }
+
+/// Why an `https://` upstream without `upstream.ca_file` cannot be verified
+/// on a system without a CA bundle (a bare container image).
+pub const NO_SYSTEM_ROOTS: &str = "upstream.ca_file is not set and the system has no trusted root certificates to verify the https upstream against; set upstream.ca_file";
 
 /// Selects the process-wide rustls crypto provider (ring); later calls are
 /// no-ops.
@@ -61,14 +67,17 @@ impl CertificateReloader {
         }))
     }
 
-    /// Re-reads the files; on failure the previous pair stays in use.
-    pub fn reload(&self) -> Result<(), TlsError> {
-        let fresh = certified_key(&self.cert_file, &self.key_file)?;
+    /// Reads the files anew, without putting the pair in use.
+    pub fn read(&self) -> Result<Arc<CertifiedKey>, TlsError> {
+        certified_key(&self.cert_file, &self.key_file)
+    }
+
+    /// Puts a pair [`read`](Self::read) in use for new handshakes.
+    pub fn install(&self, fresh: Arc<CertifiedKey>) {
         *self
             .current
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = fresh;
-        Ok(())
     }
 
     /// A server configuration that always presents the current pair.
@@ -93,19 +102,49 @@ impl ResolvesServerCert for CertificateReloader {
 }
 
 fn certified_key(cert_file: &Path, key_file: &Path) -> Result<Arc<CertifiedKey>, TlsError> {
-    let chain = certificates(cert_file)?;
+    let chain = certificates(cert_file, "tls.cert_file")?;
     let key = PrivateKeyDer::from_pem_file(key_file).map_err(|error| TlsError::Pem {
+        field: "tls.key_file",
         path: key_file.to_owned(),
-        message: format!("no usable private key: {error}"),
+        message: match pem_kind(key_file) {
+            PemKind::Encrypted => "the private key is encrypted, which is not supported: give it decrypted (`openssl pkey -in KEY -out PLAIN`)".into(),
+            PemKind::NotPem => "no PEM private key (`-----BEGIN … PRIVATE KEY-----`) in it; a DER key converts with `openssl pkey -inform DER`".into(),
+            PemKind::Pem => format!("no usable private key: {error}"),
+        },
     })?;
     let provider = rustls::crypto::ring::default_provider();
-    let certified = CertifiedKey::from_der(chain, key, &provider)
-        .map_err(|error| TlsError::Pair(error.to_string()))?;
+    let certified = CertifiedKey::from_der(chain, key, &provider).map_err(|error| {
+        TlsError::Pair(match error {
+            rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch) => {
+                "the key is not the certificate's (the server's own certificate must come first in tls.cert_file, its intermediates after it)".into()
+            }
+            error => error.to_string(),
+        })
+    })?;
     Ok(Arc::new(certified))
 }
 
-fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+/// What a file that yielded no usable PEM item holds, to say why.
+enum PemKind {
+    Encrypted,
+    NotPem,
+    Pem,
+}
+
+fn pem_kind(path: &Path) -> PemKind {
+    match std::fs::read(path) {
+        Ok(bytes) if bytes.windows(9).any(|w| w == b"ENCRYPTED") => PemKind::Encrypted,
+        Ok(bytes) if !bytes.windows(11).any(|w| w == b"-----BEGIN ") => PemKind::NotPem,
+        _ => PemKind::Pem,
+    }
+}
+
+fn certificates(
+    path: &Path,
+    field: &'static str,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let pem_error = |message: String| TlsError::Pem {
+        field,
         path: path.to_owned(),
         message,
     };
@@ -114,18 +153,23 @@ fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
         .collect::<Result<Vec<_>, _>>()
         .map_err(|error| pem_error(error.to_string()))?;
     if chain.is_empty() {
-        return Err(pem_error("no certificate found".into()));
+        return Err(pem_error(match pem_kind(path) {
+            PemKind::NotPem => "no PEM certificate (`-----BEGIN CERTIFICATE-----`) in it; a DER certificate converts with `openssl x509 -inform DER`".into(),
+            PemKind::Encrypted | PemKind::Pem => "no certificate found".into(),
+        }));
     }
     Ok(chain)
 }
 
-/// Trusted roots: the certificates in `ca_file`, or the system's.
-pub fn root_store(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
+/// Trusted roots: the certificates in `ca_file` (named by the setting
+/// `field`), or the system's.
+pub fn root_store(ca_file: Option<&Path>, field: &'static str) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
     match ca_file {
         Some(path) => {
-            for certificate in certificates(path)? {
+            for certificate in certificates(path, field)? {
                 roots.add(certificate).map_err(|error| TlsError::Pem {
+                    field,
                     path: path.to_owned(),
                     message: error.to_string(),
                 })?;
@@ -142,11 +186,12 @@ pub fn root_store(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
-/// A client configuration verifying servers against `root_store(ca_file)`.
+/// A client configuration verifying `https://` upstreams against
+/// `upstream.ca_file`, or the system's roots.
 pub fn client_config(ca_file: Option<&Path>) -> Result<ClientConfig, TlsError> {
-    let roots = root_store(ca_file)?;
+    let roots = root_store(ca_file, "upstream.ca_file")?;
     if roots.is_empty() {
-        return Err(TlsError::Roots("the system has none; set a CA file".into()));
+        return Err(TlsError::Roots(NO_SYSTEM_ROOTS.into()));
     }
     Ok(ClientConfig::builder()
         .with_root_certificates(roots)

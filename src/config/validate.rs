@@ -220,21 +220,24 @@ impl Config {
     }
 
     /// TLS material named by the configuration must load: serving reads it.
+    /// So must the roots an `https://` upstream is verified against, the
+    /// system's included.
     fn validate_files(&self, problems: &mut Vec<String>) {
-        if let Some(tls) = &self.tls {
-            crate::tls::install_crypto_provider();
-            if let Err(error) = crate::tls::CertificateReloader::load(&tls.cert_file, &tls.key_file)
-            {
-                problems.push(format!("tls: {error}"));
-            }
-        }
-        if let Some(Err(error)) = self
-            .upstream
-            .ca_file
-            .as_deref()
-            .map(|ca_file| crate::tls::root_store(Some(ca_file)))
+        crate::tls::install_crypto_provider();
+        if let Some(tls) = &self.tls
+            && let Err(error) = crate::tls::CertificateReloader::load(&tls.cert_file, &tls.key_file)
         {
-            problems.push(format!("upstream.ca_file: {error}"));
+            problems.push(error.to_string());
+        }
+        let https = self
+            .upstream
+            .url
+            .get(..8)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"));
+        if (https || self.upstream.ca_file.is_some())
+            && let Err(error) = crate::tls::client_config(self.upstream.ca_file.as_deref())
+        {
+            problems.push(error.to_string());
         }
     }
 
@@ -1235,7 +1238,7 @@ mod tests {
         assert!(
             problems
                 .iter()
-                .any(|p| p.starts_with("tls (line 1): /nonexistent/tls.crt")),
+                .any(|p| p.starts_with("tls.cert_file (line 1): /nonexistent/tls.crt")),
             "{problems:?}"
         );
         assert!(
@@ -1247,6 +1250,73 @@ mod tests {
         assert!(
             Config::from_yaml_with(MISSING_FILES, None, Secrets::Ignore).is_ok(),
             "the store's commands do not read them"
+        );
+    }
+
+    /// Each unusable file is named by its field, and says what is wrong
+    /// with it in the operator's terms.
+    #[test]
+    fn unusable_tls_files_say_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, content: &[u8]| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, content).unwrap();
+            path.display().to_string()
+        };
+        let (first, second) = (
+            rcgen::KeyPair::generate().unwrap(),
+            rcgen::KeyPair::generate().unwrap(),
+        );
+        let cert = rcgen::CertificateParams::new(vec!["localhost".into()])
+            .unwrap()
+            .self_signed(&first)
+            .unwrap();
+        let cert_pem = file("tls.crt", cert.pem().as_bytes());
+        let cert_der = file("tls.der", cert.der());
+        let other_key = file("other.key", second.serialize_pem().as_bytes());
+        let encrypted = file(
+            "encrypted.key",
+            b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n",
+        );
+        let key_der = file("key.der", &first.serialize_der());
+        let only = |cert: &str, key: &str| {
+            problems(&format!(
+                "tls: {{ cert_file: '{cert}', key_file: '{key}' }}\n"
+            ))
+        };
+        let mismatched = only(&cert_pem, &other_key);
+        assert!(
+            mismatched[0].starts_with("tls.cert_file and tls.key_file")
+                && mismatched[0].contains("the key is not the certificate's"),
+            "{mismatched:?}"
+        );
+        let encrypted = only(&cert_pem, &encrypted);
+        assert!(
+            encrypted[0].starts_with("tls.key_file (line 1): ")
+                && encrypted[0].contains("the private key is encrypted"),
+            "{encrypted:?}"
+        );
+        let key_not_pem = only(&cert_pem, &key_der);
+        assert!(
+            key_not_pem[0].starts_with("tls.key_file (line 1): ")
+                && key_not_pem[0].contains("no PEM private key"),
+            "{key_not_pem:?}"
+        );
+        let cert_not_pem = only(&cert_der, &other_key);
+        assert!(
+            cert_not_pem[0].starts_with("tls.cert_file (line 1): ")
+                && cert_not_pem[0].contains("no PEM certificate"),
+            "{cert_not_pem:?}"
+        );
+    }
+
+    /// A `tls:` whose fields are commented out is not taken for no TLS.
+    #[test]
+    fn an_empty_tls_section_is_an_error() {
+        let error = parse("tls:\n  # cert_file: /etc/tls/tls.crt\n").unwrap_err();
+        assert!(
+            matches!(&error, Problem::Parse(text) if text.contains("tls is empty: give cert_file and key_file")),
+            "{error:?}"
         );
     }
 

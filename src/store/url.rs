@@ -17,7 +17,14 @@ impl StoreUrl {
             crate::tls::install_crypto_provider();
             return crate::tls::postgres_config(url, None)
                 .map(|_| StoreUrl::Postgres(url.to_owned()))
-                .map_err(|error| format!("not a valid PostgreSQL URL: {error}"));
+                .map_err(|error| {
+                    // The URL is fine; the file it names is not.
+                    if error.starts_with("sslrootcert: ") {
+                        error
+                    } else {
+                        format!("not a valid PostgreSQL URL: {error}")
+                    }
+                });
         }
         match url.strip_prefix("sqlite://") {
             Some("") => Err("sqlite:// needs a file path, e.g. sqlite://dedupe.db".into()),

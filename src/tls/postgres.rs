@@ -247,12 +247,14 @@ fn client_config(
 ) -> Result<ClientConfig, TlsError> {
     let builder = ClientConfig::builder();
     let config = match verification {
-        Verification::Full => builder.with_root_certificates(root_store(rootcert.as_deref())?),
+        Verification::Full => {
+            builder.with_root_certificates(root_store(rootcert.as_deref(), "sslrootcert")?)
+        }
         Verification::Chain => {
-            let roots = Arc::new(root_store(rootcert.as_deref())?);
-            let webpki = WebPkiServerVerifier::builder(roots)
-                .build()
-                .map_err(|e| TlsError::Roots(e.to_string()))?;
+            let roots = Arc::new(root_store(rootcert.as_deref(), "sslrootcert")?);
+            let webpki = WebPkiServerVerifier::builder(roots).build().map_err(|e| {
+                TlsError::Roots(format!("sslrootcert: no usable root certificate: {e}"))
+            })?;
             builder
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(ChainOnly(webpki)))

@@ -69,6 +69,9 @@ pub(super) struct Pool {
     /// How long a request may wait for its response headers, connecting
     /// included: `upstream.timeout`.
     timeout: Duration,
+    /// For an `https://` upstream, what its certificate is checked against,
+    /// said when the check fails.
+    verified_against: Option<String>,
 }
 
 /// A timer kept with its connection and reset for each request on it. Until
@@ -102,7 +105,12 @@ impl Pool {
         connector.set_keepalive_interval(Some(UPSTREAM_KEEPALIVE_INTERVAL));
         connector.set_keepalive_retries(Some(UPSTREAM_KEEPALIVE_RETRIES));
         connector.enforce_http(false);
-        let tls = if url.scheme() == Some(&http::uri::Scheme::HTTPS) {
+        let https = url.scheme() == Some(&http::uri::Scheme::HTTPS);
+        let verified_against = https.then(|| match &config.ca_file {
+            Some(ca_file) => format!("upstream.ca_file {}", ca_file.display()),
+            None => "the system's trusted roots (upstream.ca_file is not set)".into(),
+        });
+        let tls = if https {
             tls::client_config(config.ca_file.as_deref())?
         } else {
             // Never used for http:// upstreams; no roots needed.
@@ -127,6 +135,7 @@ impl Pool {
             lanes: (0..lanes.max(1)).map(|_| Mutex::default()).collect(),
             idle_timeout,
             timeout: config.timeout,
+            verified_against,
         })
     }
 
@@ -269,7 +278,15 @@ impl Pool {
             .clone()
             .call(self.origin.clone())
             .await
-            .map_err(|error| UpstreamError::Connect(error_chain(&*error)))?;
+            .map_err(|error| {
+                let mut cause = error_chain(&*error);
+                if let Some(roots) = &self.verified_against
+                    && cause.contains("invalid peer certificate")
+                {
+                    cause = format!("{cause} (checked against {roots})");
+                }
+                UpstreamError::Connect(cause)
+            })?;
         let (sender, connection) = http1::handshake(io)
             .await
             .map_err(|error| UpstreamError::Connect(error_chain(&error)))?;

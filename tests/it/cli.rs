@@ -376,6 +376,29 @@ fn check_config_prints_warnings_whatever_the_log_level() {
     );
 }
 
+/// An `https://` upstream without `upstream.ca_file`, on a system without
+/// a CA bundle (a bare image), is refused by `check-config` as by `run`,
+/// as a configuration error.
+#[test]
+fn an_https_upstream_needs_roots_to_verify_it_against() {
+    let config = "upstream: { url: 'https://app.internal:8443' }\nroutes: [{ name: orders, path: /hooks/orders, key: { header: X-Event-Id } }]\n";
+    let no_bundle = [
+        ("SSL_CERT_FILE", "/nonexistent"),
+        ("SSL_CERT_DIR", "/nonexistent"),
+    ];
+    for command in ["check-config", "run"] {
+        let out = run(&[command], Some(config), &no_bundle);
+        assert_eq!(out.code, 2, "{command}: {}", out.stderr);
+        assert!(
+            out.stderr.contains(
+                "upstream.ca_file is not set and the system has no trusted root certificates"
+            ),
+            "{command}: {}",
+            out.stderr
+        );
+    }
+}
+
 /// An error in the arguments themselves is, under `--log-format json`, the
 /// one JSON line any other fatal error is; clap's own text otherwise.
 #[test]

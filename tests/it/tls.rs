@@ -265,6 +265,59 @@ async fn sighup_reloads_the_certificate_without_dropping_connections() {
     assert_eq!(after.deliver("evt_3").await.1, "forwarded");
 }
 
+/// A reload whose certificate file never yields (a FIFO here, a hung
+/// network mount in life) holds up neither the next SIGHUP's reload nor the
+/// process's exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_stuck_reading_its_files_holds_up_neither_the_next_nor_the_exit() {
+    let pki = TestPki::new();
+    let (first, second) = (pki.leaf("localhost"), pki.leaf("localhost"));
+    let dir = tempfile::tempdir().unwrap();
+    let cert = write(dir.path(), "tls.crt", &first.cert_pem);
+    let key = write(dir.path(), "tls.key", &first.key_pem);
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let mut proxy = ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\ntls: {{ cert_file: '{cert}', key_file: '{key}' }}\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url(),
+        store.url
+    ))
+    .await;
+    proxy.wait_ready().await;
+
+    std::fs::remove_file(&cert).unwrap();
+    let fifo = std::process::Command::new("mkfifo")
+        .arg(&cert)
+        .status()
+        .unwrap();
+    assert!(fifo.success());
+    // Opening the FIFO to write waits for the reload to open it to read;
+    // held open and never written to, it keeps that read waiting.
+    let (opened, writer) = tokio::sync::oneshot::channel();
+    let fifo_path = cert.clone();
+    std::thread::spawn(move || {
+        let _ = opened.send(std::fs::OpenOptions::new().write(true).open(fifo_path));
+    });
+    proxy.signal("HUP");
+    let _writer = tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("the reload opened the certificate file")
+        .unwrap()
+        .unwrap();
+    // The read is stuck; the pair is replaced under it.
+    std::fs::remove_file(&cert).unwrap();
+    write(dir.path(), "tls.crt", &second.cert_pem);
+    write(dir.path(), "tls.key", &second.key_pem);
+    proxy.signal("HUP");
+    proxy.wait_for_log("SIGHUP: TLS certificate reloaded").await;
+    let mut after = TlsClient::connect(&pki, proxy.addr).await;
+    assert_eq!(after.server_certificate, second.der);
+    assert_eq!(after.deliver("evt_after_reload").await.1, "forwarded");
+
+    proxy.terminate();
+    assert!(proxy.wait().await.success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_upstreams_are_verified_against_the_configured_ca() {
     let pki = TestPki::new();
