@@ -66,8 +66,12 @@ pub fn log_format_asked<A: AsRef<std::ffi::OsStr>>(args: &[A]) -> LogFormat {
 }
 
 /// A usage error's text on one line, for a JSON log line: clap's own
-/// without its `error: ` and its pointer to `--help`.
+/// without its `error: ` and its pointer to `--help`; for a subcommand
+/// left out, where clap prints the help, a line saying so.
 pub fn usage_message(error: &clap::Error) -> String {
+    if error.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        return "a subcommand is missing (`--help` lists them)".into();
+    }
     let rendered = error.render().to_string();
     rendered
         .trim()
@@ -123,7 +127,7 @@ pub enum Command {
 fn parse_horizon(text: &str) -> Result<Duration, String> {
     match crate::config::parse_duration(text)? {
         horizon if horizon < Duration::from_millis(1) => Err(
-            "must be at least 1ms (anything shorter would delete every key not under a live lease)"
+            "must be at least 1ms: a shorter one is a mistyped unit (`us` for `s`), or 0, and would delete every key not under a live lease"
                 .into(),
         ),
         horizon => Ok(horizon),
@@ -310,6 +314,11 @@ mod tests {
         assert!(
             message.contains("Usage: dedupe-proxy keys show"),
             "{message}"
+        );
+        let no_subcommand = Cli::try_parse_from(["dedupe-proxy", "keys"]).unwrap_err();
+        assert_eq!(
+            usage_message(&no_subcommand),
+            "a subcommand is missing (`--help` lists them)"
         );
     }
 

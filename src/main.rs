@@ -85,9 +85,7 @@ fn usage_error(error: &clap::Error) -> ExitCode {
     let args: Vec<_> = std::env::args_os().skip(1).collect();
     let for_people = matches!(
         error.kind(),
-        ErrorKind::DisplayHelp
-            | ErrorKind::DisplayVersion
-            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
     );
     if for_people || cli::log_format_asked(&args) == telemetry::LogFormat::Text {
         error.exit();

@@ -485,10 +485,20 @@ impl Store {
             }
             _ => return,
         };
-        match self
-            .settle_counted(&source, &key, fence, Settlement::RELEASED)
-            .await
-        {
+        // Not bounded by `store.timeout`: a write given up on would still be
+        // made once the store gets to it, so that giving up would only end
+        // this task (which shutdown waits for) early, and misreport it.
+        let write = self.settle_write(
+            Arc::clone(&source),
+            key.clone(),
+            fence,
+            Settlement::RELEASED,
+        );
+        let written = match &self.metrics {
+            Some(metrics) => metrics.time_store("settle", write).await,
+            None => write.await,
+        };
+        match written {
             Ok(_) => tracing::warn!(
                 route = %source, key = key.as_str(), attempt = fence.attempt,
                 "a claim answered as timed out won later; released it for the sender's retry"

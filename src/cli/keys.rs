@@ -31,7 +31,15 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
                 status: status.map(Into::into),
                 limit: limit.saturating_add(1),
             };
-            let mut records = store.list(&filter).await.map_err(explain)?;
+            let mut records = store.list(&filter).await.map_err(|error| match error {
+                // On SQLite a read, which no write lock holds up: the rows took long.
+                StoreError::Timeout(limit) => anyhow!(
+                    "store {}: listing took longer than store.timeout ({}): a smaller --limit, or a larger store.timeout, lets it finish",
+                    StoreUrl::redact(&config.store.url),
+                    crate::config::format_duration(limit)
+                ),
+                error => explain(error),
+            })?;
             let more = records.len() > limit as usize;
             records.truncate(limit as usize);
             super::print(&render_list(&records, json))?;

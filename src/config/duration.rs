@@ -69,8 +69,10 @@ fn parse_unbounded(text: &str) -> Result<Duration, String> {
         // humantime's own text for this lists months and years among the
         // units, which this parser refuses.
         // humantime's own suggests `90sec`, a spelling used nowhere else.
-        humantime::DurationError::UnknownUnit { unit, value, .. } if unit.is_empty() => {
-            format!("`{text}`: a unit is needed, as in {value}s or {value}ms ({HINT})")
+        humantime::DurationError::UnknownUnit { unit, .. } if unit.is_empty() => {
+            // As written: humantime's value drops a fraction (`0.5` is 0).
+            let number = text.trim();
+            format!("`{text}`: a unit is needed, as in {number}s or {number}ms ({HINT})")
         }
         humantime::DurationError::UnknownUnit { unit, .. } => {
             format!("`{text}`: unknown unit `{unit}` ({HINT}; units: ns, us, ms, s, m, h, d, w)")
@@ -200,6 +202,8 @@ mod tests {
             !unknown.contains("month"),
             "refused units not offered: {unknown}"
         );
+        let fraction = parse("0.5").unwrap_err();
+        assert!(fraction.contains("as in 0.5s or 0.5ms"), "{fraction}");
         let unitless = parse("30").unwrap_err();
         assert!(
             unitless.contains("a unit is needed, as in 30s or 30ms"),

@@ -70,6 +70,13 @@ impl SqliteStore {
     /// file without `create` is a missing table (or an error, when its
     /// directory is missing too).
     pub fn open_with(path: &str, config: &StoreConfig, create: bool) -> Result<Self, StoreError> {
+        if let Some(log) = file::orphaned_log(path) {
+            return Err(StoreError::Sqlite(format!(
+                "there is no SQLite file at {}, but its write-ahead log {} is there: the database was moved or deleted while a process had it open, and its latest writes are in that log. Stop whatever still has it open, then put the file back; a new database created here would discard them",
+                from_root(Path::new(path)).display(),
+                log.display()
+            )));
+        }
         if !create && !Path::new(path).exists() {
             // Start-up would create the file, but not its directory, nor a
             // file in a directory it may not write to.

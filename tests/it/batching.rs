@@ -1260,3 +1260,49 @@ async fn a_new_table_is_analyzed_once_it_has_grown() {
     }
     panic!("the table was never analyzed");
 }
+
+/// A claim answered as timed out that then wins is released however long
+/// the release waits at the database: shutdown, which waits for that
+/// release, does not take it for done while it is still waiting (it was
+/// given up after `store.timeout`, then written anyway, and reported as
+/// never written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_claims_release_is_waited_for_past_the_store_timeout() {
+    let test = TestStore::new(Backend::Postgres).await;
+    let store = open_with_timeout(&test.url, Duration::from_millis(200)).await;
+    let observer = test.postgres().await;
+    let row_holder = test.postgres().await;
+    row_holder
+        .batch_execute(
+            "BEGIN; INSERT INTO processed_events (source, event_id, status) VALUES ('src', 'late', 'failed')",
+        )
+        .await
+        .unwrap();
+    let answer = store.claim(&request("late")).await;
+    assert!(matches!(answer, Err(StoreError::Timeout(_))), "{answer:?}");
+    // Queued behind the claim's insert: once the claim has committed, this
+    // holds the table, and the release waits behind it.
+    let table_holder = test.postgres().await;
+    let locked = tokio::spawn(async move {
+        table_holder
+            .batch_execute("BEGIN; LOCK TABLE processed_events IN SHARE MODE")
+            .await
+            .unwrap();
+        table_holder
+    });
+    until_waiting_on_locks(&observer, 2).await;
+    row_holder.batch_execute("ROLLBACK").await.unwrap();
+    let table_holder = locked.await.unwrap();
+    let waiting = until_waiting_on_locks(&observer, 1).await;
+    assert!(waiting[0].contains("UPDATE"), "{waiting:?}");
+    let soon = tokio::time::Instant::now() + Duration::from_millis(500);
+    assert!(
+        !store.finish_releases(soon).await,
+        "the release is still waiting to be written"
+    );
+    table_holder.batch_execute("COMMIT").await.unwrap();
+    let later = tokio::time::Instant::now() + Duration::from_secs(30);
+    assert!(store.finish_releases(later).await);
+    let key = store.show("src", "late").await.unwrap().unwrap();
+    assert_eq!((key.status, key.attempts), (KeyStatus::Failed, 1));
+}

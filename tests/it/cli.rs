@@ -376,6 +376,35 @@ fn check_config_prints_warnings_whatever_the_log_level() {
     );
 }
 
+/// A SQLite file moved away from under a running proxy leaves its
+/// write-ahead log at the path, holding the latest writes: no command makes
+/// a new database there, which would discard the log, and none suggests
+/// `migrate`.
+#[test]
+fn a_write_ahead_log_without_its_database_is_not_discarded() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("moved.db");
+    let log = dir.path().join("moved.db-wal");
+    std::fs::write(&log, b"the latest writes").unwrap();
+    let config = format!(
+        "store: {{ url: 'sqlite://{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        db.display()
+    );
+    for command in [&["migrate"][..], &["keys", "list"], &["prune"]] {
+        let out = run(command, Some(&config), &[]);
+        assert_eq!(out.code, 1, "{command:?}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("but its write-ahead log")
+                && out.stderr.contains("put the file back")
+                && !out.stderr.contains("dedupe-proxy migrate"),
+            "{command:?}: {}",
+            out.stderr
+        );
+    }
+    assert!(!db.exists(), "no new database was made");
+    assert_eq!(std::fs::read(&log).unwrap(), b"the latest writes");
+}
+
 /// An `https://` upstream without `upstream.ca_file`, on a system without
 /// a CA bundle (a bare image), is refused by `check-config` as by `run`,
 /// as a configuration error.

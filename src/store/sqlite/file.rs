@@ -24,6 +24,17 @@ pub(super) fn creatable(path: &str) -> Result<(), String> {
     }
 }
 
+/// The write-ahead log left beside `path` where the database file itself is
+/// gone: moved or deleted while a process had it open. Opening `path` then
+/// would make a new, empty database, and SQLite would discard the log, with
+/// the latest writes of the one that is gone.
+pub(super) fn orphaned_log(path: &str) -> Option<std::path::PathBuf> {
+    let log = from_root(Path::new(&format!("{path}-wal")));
+    let orphaned = !Path::new(path).exists()
+        && std::fs::metadata(&log).is_ok_and(|metadata| metadata.len() > 0);
+    orphaned.then_some(log)
+}
+
 /// `path` from the root: a relative one is read from the working directory,
 /// which is easy to get wrong when running a command by hand.
 pub(super) fn from_root(path: &Path) -> std::path::PathBuf {
