@@ -172,6 +172,12 @@ impl Application {
         } else {
             tokio::spawn(check_table_at_start(self.proxy.store().clone()));
         }
+        if self.proxy.store().has_one_writer_at_a_time() {
+            tokio::spawn(watch_the_database_file(
+                self.proxy.store().clone(),
+                stop.clone(),
+            ));
+        }
         let pruner_task = tokio::spawn(self.pruner.run(self.prune_interval, stop.clone()));
         tokio::spawn(crate::telemetry::report_dropped_lines(
             DROPPED_LINES_REPORT_INTERVAL,
@@ -364,6 +370,31 @@ async fn reload_on_sighup(
                     tokio::spawn(stop.clone().run_until_cancelled_owned(reload));
                 }
             },
+        }
+    }
+}
+
+/// How often the SQLite database's path is checked to still lead to the
+/// file the proxy opened.
+const DATABASE_FILE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Logs an error when the SQLite database's file is deleted, moved or
+/// replaced under the running proxy (once, until it is back): every write
+/// from then on is lost when the proxy stops, and `/readyz`, which says so
+/// too, may have no one polling it (a compose service without a health
+/// check).
+async fn watch_the_database_file(store: Store, stop: CancellationToken) {
+    let mut checks = tokio::time::interval(DATABASE_FILE_CHECK_INTERVAL);
+    checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut said = false;
+    while stop.run_until_cancelled(checks.tick()).await.is_some() {
+        match store.file_gone() {
+            Some(gone) if !said => {
+                tracing::error!(error = %gone, "the SQLite database is no longer where the proxy opened it");
+                said = true;
+            }
+            Some(_) => {}
+            None => said = false,
         }
     }
 }

@@ -390,6 +390,16 @@ impl Store {
         matches!(&*self.backend, AnyBackend::Sqlite(_))
     }
 
+    /// For SQLite, which of the database's files its path no longer leads
+    /// to (deleted, moved or replaced under the running process), if one,
+    /// and what that means; never for PostgreSQL.
+    pub fn file_gone(&self) -> Option<String> {
+        match &*self.backend {
+            AnyBackend::Sqlite(backend) => backend.file_gone(),
+            AnyBackend::Postgres(_) => None,
+        }
+    }
+
     /// Makes `runtime` the one that talks to the database from now on: for
     /// PostgreSQL, the runtime that opens and drives its connections and
     /// runs its claim and settle batches, so the requests served on its

@@ -61,6 +61,16 @@ struct Prior {
 }
 
 impl SqliteStore {
+    /// Which of the database's files its path no longer leads to, if one,
+    /// and what that means.
+    pub(super) fn file_gone(&self) -> Option<String> {
+        let gone = self.files.iter().find(|file| !file.still_there())?;
+        Some(format!(
+            "{} was deleted, moved or replaced while the proxy had it open: the proxy goes on using the file it opened, which is lost when it stops, and another process opening the path would not see its keys (or would corrupt the database, for a -wal or -shm file); stop the proxy and put the files back",
+            gone.path
+        ))
+    }
+
     /// Opens (creating if needed) the database file and starts its thread.
     pub fn open(path: &str, config: &StoreConfig) -> Result<Self, StoreError> {
         Self::open_with(path, config, true)
@@ -483,12 +493,9 @@ impl Backend for SqliteStore {
         if let Some(problem) = problem {
             return Err(self.not_claims_table(problem));
         }
-        match self.files.iter().find(|file| !file.still_there()) {
+        match self.file_gone() {
             None => Ok(()),
-            Some(gone) => Err(StoreError::Sqlite(format!(
-                "{} was deleted, moved or replaced while the proxy had it open: the proxy goes on using the file it opened, which is lost when it stops, and another process opening the path would not see its keys (or would corrupt the database, for a -wal or -shm file); stop the proxy and put the files back",
-                gone.path
-            ))),
+            Some(gone) => Err(StoreError::Sqlite(gone)),
         }
     }
 

@@ -439,6 +439,27 @@ async fn readyz_answers_503_once_the_sqlite_files_are_deleted_or_replaced() {
     }
 }
 
+/// The same, said in the log, where nothing may poll readiness (a compose
+/// service without a health check): the keys written from then on are lost
+/// when the proxy stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_file_moved_under_the_proxy_is_logged() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let upstream = Upstream::start().await;
+    let proxy = ProxyProcess::start(&format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+        upstream.url(),
+        store.url
+    ))
+    .await;
+    proxy.wait_ready().await;
+    let path = store.url.strip_prefix("sqlite://").unwrap();
+    std::fs::rename(path, format!("{path}.moved")).unwrap();
+    proxy
+        .wait_for_log("the SQLite database is no longer where the proxy opened it")
+        .await;
+}
+
 /// An HTTP/2 connection with no request open whose sender never answers the
 /// GOAWAY's ping (a half-open connection, say) is dropped soon after
 /// shutdown begins, not held for the whole grace period.
