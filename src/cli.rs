@@ -69,10 +69,26 @@ pub fn log_format_asked<A: AsRef<std::ffi::OsStr>>(args: &[A]) -> LogFormat {
 /// without its `error: ` and its pointer to `--help`; for a subcommand
 /// left out, where clap prints the help, a line saying so.
 pub fn usage_message(error: &clap::Error) -> String {
-    if error.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        return "a subcommand is missing (`--help` lists them)".into();
-    }
     let rendered = error.render().to_string();
+    if error.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        // clap prints the command's help: its usage and subcommands say it.
+        let usage = rendered
+            .lines()
+            .find_map(|line| line.strip_prefix("Usage: "))
+            .unwrap_or("dedupe-proxy");
+        let subcommands: Vec<&str> = rendered
+            .lines()
+            .skip_while(|line| line.trim() != "Commands:")
+            .skip(1)
+            .take_while(|line| !line.trim().is_empty())
+            .filter_map(|line| line.split_whitespace().next())
+            .filter(|name| *name != "help")
+            .collect();
+        return format!(
+            "a subcommand is missing: {usage} (subcommands: {})",
+            subcommands.join(", ")
+        );
+    }
     rendered
         .trim()
         .strip_prefix("error: ")
@@ -318,7 +334,7 @@ mod tests {
         let no_subcommand = Cli::try_parse_from(["dedupe-proxy", "keys"]).unwrap_err();
         assert_eq!(
             usage_message(&no_subcommand),
-            "a subcommand is missing (`--help` lists them)"
+            "a subcommand is missing: dedupe-proxy keys [OPTIONS] <COMMAND> (subcommands: list, show, forget, release)"
         );
     }
 

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use hyper::server::conn::{http1, http2};
@@ -359,20 +359,40 @@ async fn reload_on_sighup(
         }
     };
     let latest = Arc::new(AtomicU64::new(0));
+    let reading = Arc::new(AtomicUsize::new(0));
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             _ = hangups.recv() => match &reloader {
                 None => tracing::info!("SIGHUP: no TLS listener, nothing to reload"),
+                // Each stuck read keeps its thread for good: bounded, so
+                // that a renewal job signalling over a hung mount does not
+                // pile them up.
+                Some(_) if reading.load(Ordering::Relaxed) >= MAX_RELOADS_READING => {
+                    tracing::error!(
+                        error = %format!("{MAX_RELOADS_READING} earlier reloads are still reading tls.cert_file and tls.key_file"),
+                        "{NOT_RELOADED}"
+                    );
+                }
                 Some(reloader) => {
                     let this = latest.fetch_add(1, Ordering::Relaxed) + 1;
-                    let reload = reload(Arc::clone(reloader), this, Arc::clone(&latest));
+                    let reload = reload(
+                        Arc::clone(reloader),
+                        this,
+                        Arc::clone(&latest),
+                        Arc::clone(&reading),
+                    );
                     tokio::spawn(stop.clone().run_until_cancelled_owned(reload));
                 }
             },
         }
     }
 }
+
+const NOT_RELOADED: &str = "SIGHUP: TLS certificate not reloaded; keeping the previous one";
+
+/// Most reloads reading their files at once, each on a thread of its own.
+const MAX_RELOADS_READING: usize = 4;
 
 /// How often the SQLite database's path is checked to still lead to the
 /// file the proxy opened.
@@ -407,20 +427,36 @@ const RELOAD_READ_LIMIT: Duration = Duration::from_secs(10);
 /// would otherwise hold a worker, and the runtime's shutdown with it, and
 /// keep every later SIGHUP from reloading. The latest SIGHUP decides: a
 /// read that comes back after a later SIGHUP's is dropped.
-async fn reload(reloader: Arc<CertificateReloader>, this: u64, latest: Arc<AtomicU64>) {
-    const NOT_RELOADED: &str = "SIGHUP: TLS certificate not reloaded; keeping the previous one";
+async fn reload(
+    reloader: Arc<CertificateReloader>,
+    this: u64,
+    latest: Arc<AtomicU64>,
+    reading: Arc<AtomicUsize>,
+) {
     let (done, read) = tokio::sync::oneshot::channel();
-    let reading = Arc::clone(&reloader);
+    let reader = Arc::clone(&reloader);
+    reading.fetch_add(1, Ordering::Relaxed);
+    let still_reading = Arc::clone(&reading);
     let started = std::thread::Builder::new()
         .name("dedupe-tls-reload".into())
         .spawn(move || {
-            let _ = done.send(reading.read());
+            let read = reader.read();
+            still_reading.fetch_sub(1, Ordering::Relaxed);
+            let _ = done.send(read);
         });
     if let Err(error) = started {
+        reading.fetch_sub(1, Ordering::Relaxed);
         tracing::error!(%error, "{NOT_RELOADED}");
         return;
     }
-    match tokio::time::timeout(RELOAD_READ_LIMIT, read).await {
+    let read = tokio::time::timeout(RELOAD_READ_LIMIT, read).await;
+    // A later SIGHUP's reload says what became of the pair; this one's
+    // outcome, a failure included, would contradict it.
+    if latest.load(Ordering::Relaxed) != this {
+        tracing::debug!("SIGHUP: a later SIGHUP's reload supersedes this one");
+        return;
+    }
+    match read {
         Err(_) => tracing::error!(
             error = %format!(
                 "reading tls.cert_file and tls.key_file took longer than {}",
@@ -430,9 +466,6 @@ async fn reload(reloader: Arc<CertificateReloader>, this: u64, latest: Arc<Atomi
         ),
         Ok(Err(_)) => tracing::error!(error = "the reading thread failed", "{NOT_RELOADED}"),
         Ok(Ok(Err(error))) => tracing::error!(%error, "{NOT_RELOADED}"),
-        Ok(Ok(Ok(_))) if latest.load(Ordering::Relaxed) != this => {
-            tracing::debug!("SIGHUP: a later SIGHUP's reload supersedes this one");
-        }
         Ok(Ok(Ok(pair))) => {
             reloader.install(pair);
             tracing::info!("SIGHUP: TLS certificate reloaded");

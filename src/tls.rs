@@ -39,7 +39,7 @@ pub enum TlsError {
 
 /// Why an `https://` upstream without `upstream.ca_file` cannot be verified
 /// on a system without a CA bundle (a bare container image).
-pub const NO_SYSTEM_ROOTS: &str = "upstream.ca_file is not set and the system has no trusted root certificates to verify the https upstream against; set upstream.ca_file";
+pub const NO_SYSTEM_ROOTS: &str = "upstream.url: an https upstream, but upstream.ca_file is not set and the system has no trusted root certificates to verify it against; set upstream.ca_file";
 
 /// Selects the process-wide rustls crypto provider (ring); later calls are
 /// no-ops.
@@ -132,6 +132,11 @@ enum PemKind {
 }
 
 fn pem_kind(path: &Path) -> PemKind {
+    // Read a second time, so a regular file only: a FIFO would wait for a
+    // writer that has already come and gone.
+    if !std::fs::metadata(path).is_ok_and(|metadata| metadata.is_file()) {
+        return PemKind::Pem;
+    }
     match std::fs::read(path) {
         Ok(bytes) if bytes.windows(9).any(|w| w == b"ENCRYPTED") => PemKind::Encrypted,
         Ok(bytes) if !bytes.windows(11).any(|w| w == b"-----BEGIN ") => PemKind::NotPem,

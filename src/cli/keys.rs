@@ -32,8 +32,10 @@ pub async fn keys(config: &Config, command: KeysCommand) -> anyhow::Result<()> {
                 limit: limit.saturating_add(1),
             };
             let mut records = store.list(&filter).await.map_err(|error| match error {
-                // On SQLite a read, which no write lock holds up: the rows took long.
-                StoreError::Timeout(limit) => anyhow!(
+                // On SQLite a read, which no write lock holds up: the rows
+                // took long. (PostgreSQL's reads may queue behind a lock on
+                // the table.)
+                StoreError::Timeout(limit) if store.has_one_writer_at_a_time() => anyhow!(
                     "store {}: listing took longer than store.timeout ({}): a smaller --limit, or a larger store.timeout, lets it finish",
                     StoreUrl::redact(&config.store.url),
                     crate::config::format_duration(limit)

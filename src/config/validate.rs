@@ -229,11 +229,8 @@ impl Config {
         {
             problems.push(error.to_string());
         }
-        let https = self
-            .upstream
-            .url
-            .get(..8)
-            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"));
+        // Lower case only: the URL's own check refuses any other.
+        let https = self.upstream.url.starts_with("https://");
         if (https || self.upstream.ca_file.is_some())
             && let Err(error) = crate::tls::client_config(self.upstream.ca_file.as_deref())
         {

@@ -82,7 +82,7 @@ impl SqliteStore {
     pub fn open_with(path: &str, config: &StoreConfig, create: bool) -> Result<Self, StoreError> {
         if let Some(log) = file::orphaned_log(path) {
             return Err(StoreError::Sqlite(format!(
-                "there is no SQLite file at {}, but its write-ahead log {} is there: the database was moved or deleted while a process had it open, and its latest writes are in that log. Stop whatever still has it open, then put the file back; a new database created here would discard them",
+                "there is no SQLite file at {}, but its write-ahead log {} is there: the database was moved or deleted while a process had it open, and its latest writes are in that log. Stop whatever still has it open, then put the file back; a new database created here would discard them (if the file was deleted rather than moved, its keys are lost but for that log: removing the -wal and -shm files lets a new, empty database start)",
                 from_root(Path::new(path)).display(),
                 log.display()
             )));

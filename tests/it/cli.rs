@@ -180,6 +180,16 @@ impl ProxyProcess {
         assert!(status.success());
     }
 
+    /// How many of the process's threads are named `name`, from `/proc`.
+    pub fn threads_named(&self, name: &str) -> usize {
+        let pid = self.child.id().expect("running");
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .filter(|comm| comm.trim_end() == name)
+            .count()
+    }
+
     /// The process's resident memory, from `/proc`.
     pub fn resident_bytes(&self) -> u64 {
         let pid = self.child.id().expect("running");

@@ -267,7 +267,8 @@ async fn sighup_reloads_the_certificate_without_dropping_connections() {
 
 /// A reload whose certificate file never yields (a FIFO here, a hung
 /// network mount in life) holds up neither the next SIGHUP's reload nor the
-/// process's exit.
+/// process's exit; and reads stuck that way, each on a thread of its own,
+/// are not piled up past four.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_stuck_reading_its_files_holds_up_neither_the_next_nor_the_exit() {
     let pki = TestPki::new();
@@ -285,25 +286,56 @@ async fn a_reload_stuck_reading_its_files_holds_up_neither_the_next_nor_the_exit
     .await;
     proxy.wait_ready().await;
 
-    std::fs::remove_file(&cert).unwrap();
-    let fifo = std::process::Command::new("mkfifo")
-        .arg(&cert)
-        .status()
-        .unwrap();
-    assert!(fifo.success());
-    // Opening the FIFO to write waits for the reload to open it to read;
-    // held open and never written to, it keeps that read waiting.
-    let (opened, writer) = tokio::sync::oneshot::channel();
-    let fifo_path = cert.clone();
-    std::thread::spawn(move || {
-        let _ = opened.send(std::fs::OpenOptions::new().write(true).open(fifo_path));
-    });
+    // Opening the FIFO to write waits for a reload to open it to read; held
+    // open and never written to, it keeps every read of it waiting.
+    let stuck_reading = || async {
+        std::fs::remove_file(&cert).unwrap();
+        let fifo = std::process::Command::new("mkfifo")
+            .arg(&cert)
+            .status()
+            .unwrap();
+        assert!(fifo.success());
+        let (opened, writer) = tokio::sync::oneshot::channel();
+        let fifo_path = cert.clone();
+        std::thread::spawn(move || {
+            let _ = opened.send(std::fs::OpenOptions::new().write(true).open(fifo_path));
+        });
+        proxy.signal("HUP");
+        tokio::time::timeout(Duration::from_secs(10), writer)
+            .await
+            .expect("the reload opened the certificate file")
+            .unwrap()
+            .unwrap()
+    };
+    let until_reading = |count: usize| {
+        let proxy = &proxy;
+        async move {
+            let reading = async {
+                // The kernel keeps 15 bytes of a thread's name.
+                while proxy.threads_named("dedupe-tls-relo") != count {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(10), reading)
+                .await
+                .unwrap_or_else(|_| panic!("never {count} reloads reading"));
+        }
+    };
+
+    let writer = stuck_reading().await;
+    for _ in 0..3 {
+        proxy.signal("HUP");
+    }
+    until_reading(4).await;
     proxy.signal("HUP");
-    let _writer = tokio::time::timeout(Duration::from_secs(10), writer)
-        .await
-        .expect("the reload opened the certificate file")
-        .unwrap()
-        .unwrap();
+    proxy
+        .wait_for_log("4 earlier reloads are still reading tls.cert_file and tls.key_file")
+        .await;
+    // The reads come back empty, and their threads end.
+    drop(writer);
+    until_reading(0).await;
+
+    let _writer = stuck_reading().await;
     // The read is stuck; the pair is replaced under it.
     std::fs::remove_file(&cert).unwrap();
     write(dir.path(), "tls.crt", &second.cert_pem);
