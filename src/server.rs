@@ -375,6 +375,9 @@ async fn reload_on_sighup(
                     );
                 }
                 Some(reloader) => {
+                    // Counted here, not in the task: the next SIGHUP may
+                    // come before the task has run.
+                    reading.fetch_add(1, Ordering::Relaxed);
                     let this = latest.fetch_add(1, Ordering::Relaxed) + 1;
                     let reload = reload(
                         Arc::clone(reloader),
@@ -422,7 +425,8 @@ async fn watch_the_database_file(store: Store, stop: CancellationToken) {
 /// Longest a reload waits for its files to be read before it is given up.
 const RELOAD_READ_LIMIT: Duration = Duration::from_secs(10);
 
-/// One SIGHUP's reload. The files are read on a thread of their own, not
+/// One SIGHUP's reload, counted in `reading` by its caller until its read
+/// returns. The files are read on a thread of their own, not
 /// the runtime's: a read that never returns (a FIFO, a hung network mount)
 /// would otherwise hold a worker, and the runtime's shutdown with it, and
 /// keep every later SIGHUP from reloading. The latest SIGHUP decides: a
@@ -435,7 +439,6 @@ async fn reload(
 ) {
     let (done, read) = tokio::sync::oneshot::channel();
     let reader = Arc::clone(&reloader);
-    reading.fetch_add(1, Ordering::Relaxed);
     let still_reading = Arc::clone(&reading);
     let started = std::thread::Builder::new()
         .name("dedupe-tls-reload".into())
