@@ -6,8 +6,11 @@
 use http::{Method, Request, Version, header};
 use hyper::body::Incoming;
 
-/// Why RFC 9112 has a server refuse the request with 400, if it does: its
-/// framing could be read two ways, or its `Host` is missing or repeated.
+/// Why RFC 9112 or 9113 has a server refuse the request with 400, if it
+/// does: its framing could be read two ways, its `Host` is missing,
+/// repeated or not a host and port, it asks for a tunnel, its target does
+/// not agree with its `Host`, or (over HTTP/2) a field value has whitespace
+/// around it.
 pub(super) fn malformation(request: &Request<Incoming>) -> Option<&'static str> {
     if let Some(problem) = framing_problem(request.headers()) {
         return Some(problem);
