@@ -504,11 +504,7 @@ impl Store {
             fence,
             Settlement::RELEASED,
         );
-        let written = match &self.metrics {
-            Some(metrics) => metrics.time_store("settle", write).await,
-            None => write.await,
-        };
-        match written {
+        match self.counted_settle(write).await {
             Ok(_) => tracing::warn!(
                 route = %source, key = key.as_str(), attempt = fence.attempt,
                 "a claim answered as timed out won later; released it for the sender's retry"
@@ -580,7 +576,16 @@ impl Store {
         fence: Fence,
         settlement: Settlement,
     ) -> Result<bool, StoreError> {
-        let settle = self.settle(source, key, fence, settlement);
+        self.counted_settle(self.settle(source, key, fence, settlement))
+            .await
+    }
+
+    /// `settle`, timed and counted in the metrics given to
+    /// [`Store::counted_in`], if any.
+    async fn counted_settle(
+        &self,
+        settle: impl Future<Output = Result<bool, StoreError>>,
+    ) -> Result<bool, StoreError> {
         match &self.metrics {
             Some(metrics) => metrics.time_store("settle", settle).await,
             None => settle.await,

@@ -1276,35 +1276,40 @@ mod tests {
             b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n",
         );
         let key_der = file("key.der", &first.serialize_der());
-        let only = |cert: &str, key: &str| {
-            problems(&format!(
+        for (cert, key, field, reason) in [
+            (
+                &cert_pem,
+                &other_key,
+                "tls.cert_file and tls.key_file",
+                "the key is not the certificate's",
+            ),
+            (
+                &cert_pem,
+                &encrypted,
+                "tls.key_file (line 1): ",
+                "the private key is encrypted",
+            ),
+            (
+                &cert_pem,
+                &key_der,
+                "tls.key_file (line 1): ",
+                "no PEM private key",
+            ),
+            (
+                &cert_der,
+                &other_key,
+                "tls.cert_file (line 1): ",
+                "no PEM certificate",
+            ),
+        ] {
+            let found = problems(&format!(
                 "tls: {{ cert_file: '{cert}', key_file: '{key}' }}\n"
-            ))
-        };
-        let mismatched = only(&cert_pem, &other_key);
-        assert!(
-            mismatched[0].starts_with("tls.cert_file and tls.key_file")
-                && mismatched[0].contains("the key is not the certificate's"),
-            "{mismatched:?}"
-        );
-        let encrypted = only(&cert_pem, &encrypted);
-        assert!(
-            encrypted[0].starts_with("tls.key_file (line 1): ")
-                && encrypted[0].contains("the private key is encrypted"),
-            "{encrypted:?}"
-        );
-        let key_not_pem = only(&cert_pem, &key_der);
-        assert!(
-            key_not_pem[0].starts_with("tls.key_file (line 1): ")
-                && key_not_pem[0].contains("no PEM private key"),
-            "{key_not_pem:?}"
-        );
-        let cert_not_pem = only(&cert_der, &other_key);
-        assert!(
-            cert_not_pem[0].starts_with("tls.cert_file (line 1): ")
-                && cert_not_pem[0].contains("no PEM certificate"),
-            "{cert_not_pem:?}"
-        );
+            ));
+            assert!(
+                found[0].starts_with(field) && found[0].contains(reason),
+                "{found:?}"
+            );
+        }
     }
 
     /// A `tls:` whose fields are commented out is not taken for no TLS.

@@ -228,6 +228,20 @@ pub struct Output {
     pub stderr: String,
 }
 
+impl Output {
+    /// Checks that stderr is one JSON log line at `level` whose message
+    /// starts with `message`.
+    fn assert_one_json_line(&self, level: &str, message: &str) {
+        let line: serde_json::Value = serde_json::from_str(self.stderr.trim())
+            .unwrap_or_else(|e| panic!("not one JSON object ({e}): {}", self.stderr));
+        assert_eq!(line["level"], level, "{line}");
+        assert!(
+            line["message"].as_str().unwrap().starts_with(message),
+            "{line}"
+        );
+    }
+}
+
 /// Runs the binary to completion, with `config` written to a file and
 /// passed as `--config`.
 pub fn run(args: &[&str], config: Option<&str>, env: &[(&str, &str)]) -> Output {
@@ -374,15 +388,9 @@ fn check_config_prints_warnings_whatever_the_log_level() {
         &[("RUST_LOG", "off")],
     );
     assert_eq!(json.code, 0, "{}", json.stderr);
-    let line: serde_json::Value = serde_json::from_str(json.stderr.trim())
-        .unwrap_or_else(|e| panic!("not one JSON object ({e}): {}", json.stderr));
-    assert_eq!(line["level"], "WARN", "{line}");
-    assert!(
-        line["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("routes[0] (gh) (line 2): provider github without secrets"),
-        "{line}"
+    json.assert_one_json_line(
+        "WARN",
+        "routes[0] (gh) (line 2): provider github without secrets",
     );
 }
 
@@ -448,16 +456,7 @@ fn usage_errors_follow_the_log_format() {
     ] {
         let out = run(args, Some(VALID), &[]);
         assert_eq!(out.code, 2, "{}", out.stderr);
-        let line: serde_json::Value = serde_json::from_str(out.stderr.trim())
-            .unwrap_or_else(|e| panic!("not one JSON object ({e}): {}", out.stderr));
-        assert_eq!(line["level"], "ERROR", "{line}");
-        assert!(
-            line["message"]
-                .as_str()
-                .unwrap()
-                .starts_with("invalid value 'bogus' for '--status <STATUS>'"),
-            "{line}"
-        );
+        out.assert_one_json_line("ERROR", "invalid value 'bogus' for '--status <STATUS>'");
     }
     let text = run(&["keys", "list", "--status", "bogus"], Some(VALID), &[]);
     assert_eq!(text.code, 2);

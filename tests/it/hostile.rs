@@ -285,11 +285,17 @@ async fn targets_without_a_path_and_repeated_key_fields_are_refused() {
 async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
     let app = TestApp::spawn(Backend::Sqlite, |_| {}).await;
     let (client, _) = http2_client(&app, &h2::client::Builder::new()).await;
-    let other_host = http::Request::post("http://a.example/hooks/orders")
-        .header("host", "b.example")
-        .header("x-event-id", "h2_host")
-        .body(())
-        .unwrap();
+    let post = |uri: &str, fields: &[(&str, &str)]| {
+        let mut request = http::Request::post(uri);
+        for (name, value) in fields {
+            request = request.header(*name, *value);
+        }
+        request.body(()).unwrap()
+    };
+    let other_host = post(
+        "http://a.example/hooks/orders",
+        &[("host", "b.example"), ("x-event-id", "h2_host")],
+    );
     let mut star = http::Request::post("http://a.example/").body(()).unwrap();
     *star.uri_mut() = http::Uri::from_parts({
         let mut parts = http::uri::Parts::default();
@@ -301,24 +307,18 @@ async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
     .unwrap();
     // With no Host field, `:authority` is the Host passed on: a user part
     // in it is refused as it is in Host.
-    let user_authority = http::Request::post("http://user@a.example/hooks/orders")
-        .header("x-event-id", "h2_user")
-        .body(())
-        .unwrap();
+    let user_authority = post(
+        "http://user@a.example/hooks/orders",
+        &[("x-event-id", "h2_user")],
+    );
     // RFC 9113 section 8.2.1: HTTP/1 would have trimmed the key to
     // another's, or to none.
-    let padded_key = http::Request::post("http://a.example/hooks/orders")
-        .header("x-event-id", "h2_same ")
-        .body(())
-        .unwrap();
-    let blank_key = http::Request::post("http://a.example/hooks/orders")
-        .header("x-event-id", "\t")
-        .body(())
-        .unwrap();
-    let padded_elsewhere = http::Request::post("http://a.example/elsewhere")
-        .header("x-anything", " x")
-        .body(())
-        .unwrap();
+    let padded_key = post(
+        "http://a.example/hooks/orders",
+        &[("x-event-id", "h2_same ")],
+    );
+    let blank_key = post("http://a.example/hooks/orders", &[("x-event-id", "\t")]);
+    let padded_elsewhere = post("http://a.example/elsewhere", &[("x-anything", " x")]);
     for request in [
         other_host,
         star,
@@ -331,11 +331,10 @@ async fn http2_requests_whose_host_or_path_is_not_their_target_are_refused() {
         assert_eq!(response.status(), 400);
         assert_eq!(response.headers()["x-dedupe-outcome"], "rejected");
     }
-    let same_host = http::Request::post("http://a.example/hooks/orders")
-        .header("host", "A.example")
-        .header("x-event-id", "h2_same")
-        .body(())
-        .unwrap();
+    let same_host = post(
+        "http://a.example/hooks/orders",
+        &[("host", "A.example"), ("x-event-id", "h2_same")],
+    );
     let response = send_whole(client, same_host).await.await.unwrap();
     assert_eq!(response.headers()["x-dedupe-outcome"], "forwarded");
     assert_eq!(app.upstream.count(), 1);

@@ -212,22 +212,48 @@ async fn an_http2_sender_over_tls_is_served_by_alpn() {
     assert_eq!(app.upstream.seen().len(), 1);
 }
 
+/// The binary terminating TLS with a leaf whose files, `tls.crt` and
+/// `tls.key`, are in `dir`, in front of a store and an upstream of its own.
+struct TlsProcess {
+    proxy: ProxyProcess,
+    dir: tempfile::TempDir,
+    _store: TestStore,
+    _upstream: Upstream,
+}
+
+impl TlsProcess {
+    async fn start(leaf: &Leaf) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = write(dir.path(), "tls.crt", &leaf.cert_pem);
+        let key = write(dir.path(), "tls.key", &leaf.key_pem);
+        let store = TestStore::new(Backend::Sqlite).await;
+        let upstream = Upstream::start().await;
+        let proxy = ProxyProcess::start(&format!(
+            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\ntls: {{ cert_file: '{cert}', key_file: '{key}' }}\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
+            upstream.url(),
+            store.url
+        ))
+        .await;
+        proxy.wait_ready().await;
+        Self {
+            proxy,
+            dir,
+            _store: store,
+            _upstream: upstream,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_certificate_without_dropping_connections() {
     let pki = TestPki::new();
     let (first, second) = (pki.leaf("localhost"), pki.leaf("localhost"));
-    let dir = tempfile::tempdir().unwrap();
-    let cert = write(dir.path(), "tls.crt", &first.cert_pem);
-    let key = write(dir.path(), "tls.key", &first.key_pem);
-    let store = TestStore::new(Backend::Sqlite).await;
-    let upstream = Upstream::start().await;
-    let proxy = ProxyProcess::start(&format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\ntls: {{ cert_file: '{cert}', key_file: '{key}' }}\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
-        upstream.url(),
-        store.url
-    ))
-    .await;
-    proxy.wait_ready().await;
+    let TlsProcess {
+        proxy,
+        dir,
+        _store,
+        _upstream,
+    } = TlsProcess::start(&first).await;
     let mut old_connection = TlsClient::connect(&pki, proxy.addr).await;
     assert_eq!(old_connection.server_certificate, first.der);
     assert_eq!(old_connection.deliver("evt_1").await.1, "forwarded");
@@ -273,18 +299,13 @@ async fn sighup_reloads_the_certificate_without_dropping_connections() {
 async fn a_reload_stuck_reading_its_files_holds_up_neither_the_next_nor_the_exit() {
     let pki = TestPki::new();
     let (first, second) = (pki.leaf("localhost"), pki.leaf("localhost"));
-    let dir = tempfile::tempdir().unwrap();
-    let cert = write(dir.path(), "tls.crt", &first.cert_pem);
-    let key = write(dir.path(), "tls.key", &first.key_pem);
-    let store = TestStore::new(Backend::Sqlite).await;
-    let upstream = Upstream::start().await;
-    let mut proxy = ProxyProcess::start(&format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\ntls: {{ cert_file: '{cert}', key_file: '{key}' }}\nupstream: {{ url: '{}' }}\nstore: {{ url: '{}' }}\nroutes: [{{ name: orders, path: /hooks/orders, key: {{ header: X-Event-Id }} }}]\n",
-        upstream.url(),
-        store.url
-    ))
-    .await;
-    proxy.wait_ready().await;
+    let TlsProcess {
+        mut proxy,
+        dir,
+        _store,
+        _upstream,
+    } = TlsProcess::start(&first).await;
+    let cert = dir.path().join("tls.crt").display().to_string();
 
     // Opening the FIFO to write waits for a reload to open it to read; held
     // open and never written to, it keeps every read of it waiting.
